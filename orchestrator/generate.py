@@ -1,0 +1,184 @@
+"""The embedded generation loop over any ``Drafter`` / ``Verifier`` pair (DESIGN.md §3).
+
+    verifier.prefill(prompt)             -> anchor b, features F[0:n]
+    drafter.prefill(F)
+    repeat: drafter.draft(b, n)          -> tree
+            verifier.verify(tree, n)     -> accepted a_1..a_k, bonus b', feature delta
+            drafter.commit(delta)        # n += k + 1; b = b'
+
+It yields tokens as they commit and records per-round stats. ``method="ar"`` runs plain
+AR steps on the verifier: the baseline every method is compared with.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from drafter_service.engine import Drafter
+from presto_sd.acceptance import SamplingParams
+from presto_sd.builders import TreeParams
+from verifier_service.engine import Verifier
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    method: str = "presto-beam"  # "ar" or a tree builder name
+    tree: TreeParams = field(default_factory=TreeParams)
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    accepted: int  # accepted draft tokens (tau counts these + 1)
+    tree_size: int  # draft nodes verified, root excluded
+    draft_s: float  # drafter call, forward + build
+    build_s: float  # tree building + scoring, inside draft_s
+    verify_s: float
+    commit_s: float
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    tokens: tuple[int, ...]  # newly committed output tokens (after stop truncation)
+    round: RoundStats | None  # None for the prefill's first token
+    finish_reason: str | None = None  # set on the last chunk: "eos" | "stop" | "length"
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    rounds: list[RoundStats]
+    finish_reason: str  # "eos" | "stop" | "length"
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification round (accepted + 1 bonus)."""
+        return sum(r.accepted + 1 for r in self.rounds) / max(1, len(self.rounds))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / max(1e-9, self.prefill_s + self.decode_s)
+
+
+class _Stopper:
+    """Truncates the stream at EOS, a stop string or ``max_new_tokens``."""
+
+    def __init__(self, params: GenerationParams, detokenize: Callable[[list[int]], str] | None):
+        if params.stop_strings and detokenize is None:
+            raise ValueError("stop_strings need a detokenize function")
+        self.params, self.detokenize = params, detokenize
+        self.out: list[int] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.out)
+
+    def accept(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        kept = []
+        for t in tokens:
+            self.out.append(t)
+            kept.append(t)
+            if t in self.params.stop_token_ids:
+                self.finish_reason = "eos"  # an EOS inside an accepted path ends it there
+            elif self.params.stop_strings and any(
+                s in self.detokenize(self.out) for s in self.params.stop_strings
+            ):
+                self.finish_reason = "stop"
+            elif self.remaining == 0:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return tuple(kept)
+
+
+def stream_generate(
+    verifier: Verifier,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    detokenize: Callable[[list[int]], str] | None = None,
+    session_id: str | None = None,
+) -> Iterator[TokenChunk]:
+    """Yield committed tokens round by round; sessions are closed however it ends."""
+    if params.method != "ar" and drafter is None:
+        raise ValueError(f"method {params.method!r} needs a drafter")
+    sid = session_id or uuid.uuid4().hex
+    stopper = _Stopper(params, detokenize)
+    speculative = params.method != "ar"
+    pre = verifier.prefill(sid, list(prompt_ids), params.sampling)
+    drafter_open = False
+    try:
+        if speculative:
+            drafter.prefill(sid, pre.delta)
+            drafter_open = True
+        anchor, base = pre.anchor, pre.base
+        yield TokenChunk(stopper.accept((anchor,)), None, stopper.finish_reason)
+        tree_params = replace(params.tree, method=params.method)
+        while stopper.finish_reason is None:
+            # the bonus token adds one: never draft deeper than the output can still use
+            depth = min(tree_params.depth, stopper.remaining - 1)
+            t0 = time.perf_counter()
+            if not speculative or depth < 1:
+                res, draft_s, build_s, size = verifier.step(sid, base), 0.0, 0.0, 0
+                t1 = time.perf_counter()
+            else:
+                tp = tree_params if depth == tree_params.depth else replace(tree_params, depth=depth)
+                d = drafter.draft(sid, anchor, base, tp)
+                t1 = time.perf_counter()
+                draft_s, build_s, size = t1 - t0, d.build_s, d.tree.size
+                res = verifier.verify(sid, base, d.tree)
+            t2 = time.perf_counter()
+            if speculative:
+                drafter.commit(sid, res.delta)
+            t3 = time.perf_counter()
+            anchor, base = res.bonus, res.base
+            stats = RoundStats(len(res.accepted), size, draft_s, build_s, t2 - t1, t3 - t2)
+            yield TokenChunk(stopper.accept(res.new_tokens), stats, stopper.finish_reason)
+    finally:
+        _close_quietly(verifier, sid)
+        if drafter_open:
+            _close_quietly(drafter, sid)
+
+
+def generate(
+    verifier: Verifier,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    detokenize: Callable[[list[int]], str] | None = None,
+) -> GenerationResult:
+    """Run ``stream_generate`` to the end and collect tokens and stats."""
+    t0 = time.perf_counter()
+    tokens: list[int] = []
+    rounds: list[RoundStats] = []
+    prefill_s, finish = 0.0, "length"
+    for chunk in stream_generate(verifier, drafter, prompt_ids, params, detokenize):
+        if chunk.round is None:
+            prefill_s = time.perf_counter() - t0
+        else:
+            rounds.append(chunk.round)
+        tokens.extend(chunk.tokens)
+        finish = chunk.finish_reason or finish
+    total = time.perf_counter() - t0
+    return GenerationResult(tokens, rounds, finish, prefill_s, total - prefill_s)
+
+
+def _close_quietly(engine, sid: str) -> None:
+    try:
+        engine.close(sid)
+    except Exception:  # noqa: BLE001 - closing is best effort; the session may be gone
+        pass
+

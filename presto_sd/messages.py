@@ -1,0 +1,69 @@
+"""What crosses the drafter / verifier / orchestrator boundaries, and its named errors.
+
+Every engine call carries ``base``: the number of tokens the target has processed for the
+session (its KV length). The pending anchor — the last committed token — sits at
+position ``base``. A call built on another base is refused (``StaleBaseError``), never
+silently applied. The errors map one-to-one onto gRPC status codes (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class EngineError(Exception):
+    """Base of the errors an engine raises on a request it refuses."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgumentError(EngineError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class SessionNotFoundError(EngineError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown session"
+
+
+class StaleBaseError(EngineError):
+    code = "FAILED_PRECONDITION"
+
+
+class LimitExceededError(EngineError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+@dataclass(frozen=True)
+class FeatureDelta:
+    """Target features of newly committed tokens, for the drafter's context cache.
+
+    ``tokens[i]`` sits at position ``start + i``; ``features[i]`` is the concatenation of
+    the target hidden states at the drafter's ``target_layer_ids`` for that token.
+    """
+
+    start: int
+    tokens: tuple[int, ...]
+    features: torch.Tensor  # [len(tokens), num_layers * hidden]
+
+    def __post_init__(self) -> None:
+        if self.features.ndim != 2 or self.features.shape[0] != len(self.tokens):
+            raise InvalidArgumentError(
+                f"delta.features: shape {tuple(self.features.shape)} does not match "
+                f"{len(self.tokens)} tokens"
+            )
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def check_base(session_id: str, expected: int, got: int) -> None:
+    if got != expected:
+        raise StaleBaseError(
+            f"session {session_id!r}: stale base {got}, the session is at base {expected}"
+        )

@@ -1,0 +1,92 @@
+"""The verifier engine interface: the target model side of speculative decoding.
+
+One interface, two implementations: ``HFVerifier`` (in-process, transformers) and the
+gRPC client (remote). The generation loop and the orchestrator only see this class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from presto_sd.acceptance import SamplingParams
+from presto_sd.messages import FeatureDelta
+from presto_sd.tree import TokenTree, TreeLimits
+
+
+@dataclass(frozen=True)
+class VerifierLimits:
+    max_sessions: int = 64
+    max_context: int = 8192  # positions, prompt + generated + tree depth
+    tree: TreeLimits = TreeLimits()
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    model: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    target_layer_ids: tuple[int, ...]
+    limits: VerifierLimits = field(default_factory=VerifierLimits)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    anchor: int  # the first generated token (or the anchor given to prefill)
+    delta: FeatureDelta  # features of every prompt token, start = 0
+    base: int  # = len(prompt tokens)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: tuple[int, ...]  # accepted draft tokens, the root/anchor excluded
+    bonus: int  # the target's own next token: the new anchor
+    delta: FeatureDelta  # anchor + accepted tokens, start = the old base
+    base: int  # new base = old base + len(accepted) + 1
+    node_probs: torch.Tensor | None = None  # [N] p_T of each node's token (traces)
+    accepted_nodes: tuple[int, ...] = ()  # tree indices of the accepted path, root first
+
+    @property
+    def new_tokens(self) -> tuple[int, ...]:
+        """Tokens this round commits to the output: accepted ones then the bonus."""
+        return (*self.accepted, self.bonus)
+
+
+class Verifier(ABC):
+    @abstractmethod
+    def info(self) -> VerifierInfo: ...
+
+    @abstractmethod
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+    ) -> PrefillResult:
+        """Start (or restart) a session on ``token_ids``.
+
+        Without ``anchor`` the first token is drawn from the target; with it (re-prefill
+        after a verifier restart) that already-emitted token becomes the pending anchor.
+        """
+
+    @abstractmethod
+    def verify(
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+    ) -> VerifyResult:
+        """One target forward over every tree node; sample-and-match; commit the path."""
+
+    def step(self, session_id: str, base: int) -> VerifyResult:
+        """One plain AR token: the verification of a root-only tree."""
+        return self.verify(session_id, base, TokenTree.root_only(self.anchor(session_id)))
+
+    @abstractmethod
+    def anchor(self, session_id: str) -> int:
+        """The session's pending anchor (last committed token, not yet processed)."""
+
+    @abstractmethod
+    def close(self, session_id: str) -> None: ...

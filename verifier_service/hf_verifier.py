@@ -1,0 +1,256 @@
+"""``HFVerifier``: the target as any transformers causal LM, verifying trees in one forward.
+
+Tree attention uses transformers' custom 4-D additive masks: a node sees the committed
+prefix and its own ancestors, at position ``base + depth``. After the walk the KV cache
+keeps exactly the accepted path (gather, drop the rest), which equals the KV that AR
+decoding of the same tokens produces (tests hold this).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from presto_sd.acceptance import SamplingParams, node_token_probs, sample_token, walk_tree
+from presto_sd.messages import (
+    FeatureDelta,
+    InvalidArgumentError,
+    LimitExceededError,
+    SessionNotFoundError,
+    check_base,
+)
+from presto_sd.tree import TokenTree, TreeError, tree_attention_mask
+from verifier_service.engine import (
+    PrefillResult,
+    Verifier,
+    VerifierInfo,
+    VerifierLimits,
+    VerifyResult,
+)
+
+
+@dataclass
+class _Session:
+    cache: DynamicCache
+    tokens: list[int]  # committed tokens; the last one is the pending anchor
+    sampling: SamplingParams
+    generator: torch.Generator
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def base(self) -> int:
+        return len(self.tokens) - 1
+
+
+class HFVerifier(Verifier):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        target_layer_ids: tuple[int, ...] | list[int],
+        limits: VerifierLimits = VerifierLimits(),
+        eos_token_ids: tuple[int, ...] = (),
+        name: str = "",
+    ) -> None:
+        self.model = model.eval()
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        n_layers = model.config.num_hidden_layers
+        if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
+            raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
+        self.target_layer_ids = tuple(int(i) for i in target_layer_ids)
+        self.vocab_size = model.config.vocab_size
+        self.limits = VerifierLimits(
+            max_sessions=limits.max_sessions,
+            max_context=_max_context(model.config, limits.max_context),
+            tree=type(limits.tree)(
+                limits.tree.max_nodes, limits.tree.max_depth, self.vocab_size
+            ),
+        )
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.name = name or model.config.name_or_path
+        # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()  # the session table; forwards are per-session
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def info(self) -> VerifierInfo:
+        return VerifierInfo(
+            model=self.name,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device=str(self.device),
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            target_layer_ids=self.target_layer_ids,
+            limits=self.limits,
+        )
+
+    # -- sessions -----------------------------------------------------------------------
+    def _session(self, session_id: str) -> _Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise SessionNotFoundError(f"session {session_id!r} not found (closed, expired or never opened)")
+        s.last_used = time.monotonic()
+        return s
+
+    def anchor(self, session_id: str) -> int:
+        return self._session(session_id).tokens[-1]
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            if self.sessions.pop(session_id, None) is None:
+                raise SessionNotFoundError(f"session {session_id!r} not found")
+
+    def close_idle(self, ttl_s: float) -> list[str]:
+        """Close sessions idle for longer than ``ttl_s``; returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, s in self.sessions.items() if now - s.last_used > ttl_s]
+            for k in stale:
+                del self.sessions[k]
+        return stale
+
+    # -- the forward --------------------------------------------------------------------
+    def _forward(
+        self, cache: DynamicCache, input_ids: list[int], positions: torch.Tensor, mask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [T, H] and target-layer features [T, F]."""
+        out = self.decoder(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=positions[None].to(self.device),
+            attention_mask=mask,
+            use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_kwarg: cache},
+        )
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.target_layer_ids], dim=-1)
+        return out.last_hidden_state[0], feats
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+    ) -> PrefillResult:
+        if not token_ids:
+            raise InvalidArgumentError("prefill.token_ids: empty prompt")
+        bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
+                    if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"prefill.token_ids: token {bad} out of range [0, {self.vocab_size})")
+        if len(token_ids) + 1 > self.limits.max_context:
+            raise LimitExceededError(
+                f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
+            )
+        with self._lock:
+            if session_id not in self.sessions and len(self.sessions) >= self.limits.max_sessions:
+                raise LimitExceededError(f"verifier: {self.limits.max_sessions} sessions open (max)")
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        # plain dynamic layers: sliding-window layers would drop entries the tree mask indexes
+        cache = DynamicCache()
+        positions = torch.arange(len(token_ids))
+        hidden, feats = self._forward(cache, token_ids, positions, None)
+        if anchor is None:
+            anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
+        session = _Session(cache, [*token_ids, anchor], sampling, generator)
+        with self._lock:
+            self.sessions[session_id] = session
+        delta = FeatureDelta(0, tuple(token_ids), feats)
+        return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
+
+    @torch.inference_mode()
+    def verify(
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+    ) -> VerifyResult:
+        s = self._session(session_id)
+        check_base(session_id, s.base, base)
+        try:
+            tree.validate(self.limits.tree)
+        except TreeError as e:
+            raise InvalidArgumentError(str(e)) from None
+        if tree.tokens[0] != s.tokens[-1]:
+            raise InvalidArgumentError(
+                f"tree.tokens[0] = {tree.tokens[0]}: the root must be the session's anchor "
+                f"{s.tokens[-1]}"
+            )
+        if base + tree.max_depth + 2 > self.limits.max_context:
+            raise LimitExceededError(
+                f"verify: context {base + tree.max_depth + 1} would exceed max_context "
+                f"{self.limits.max_context}"
+            )
+        n = len(tree.tokens)
+        mask = None
+        if n > 1:
+            mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
+        hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
+
+        if want_node_probs:  # traces need every node's parent distribution
+            logits = self._logits(hidden)
+            walk = walk_tree(tree, logits, s.sampling, s.generator)
+            node_probs = node_token_probs(tree, logits, s.sampling).cpu()
+        else:  # only the walked nodes need logits: lazily, one row per step
+            walk = _walk_lazily(tree, hidden, self._logits, s.sampling, s.generator)
+            node_probs = None
+
+        keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
+        _compact_cache(s.cache, keep)
+        path_tokens = [tree.tokens[i] for i in walk.path]
+        s.tokens.extend([*path_tokens[1:], walk.bonus])
+        delta = FeatureDelta(base, tuple(path_tokens), feats[torch.tensor(walk.path)].cpu())
+        return VerifyResult(
+            accepted=tuple(path_tokens[1:]),
+            bonus=walk.bonus,
+            delta=delta,
+            base=s.base,
+            node_probs=node_probs,
+            accepted_nodes=tuple(walk.path),
+        )
+
+
+def _walk_lazily(tree, hidden, logits_fn, sampling, generator):
+    """``walk_tree`` without the lm_head over every node (most nodes are never visited)."""
+    from presto_sd.acceptance import WalkResult
+
+    node, path = 0, [0]
+    while True:
+        x = sample_token(logits_fn(hidden[node]), sampling, generator)
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == x), None)
+        if nxt is None:
+            return WalkResult(path=path, bonus=x)
+        node = nxt
+        path.append(node)
+
+
+def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:
+    """Keep only the KV positions in ``keep`` (the prefix and the accepted path)."""
+    contiguous = int(keep[-1]) == len(keep) - 1  # linear acceptance: a plain truncation
+    for layer in cache.layers:
+        if contiguous:
+            layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
+        else:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+
+def _max_context(config, requested: int) -> int:
+    """Tree masks are full-attention masks: stay inside any sliding window the model has."""
+    limit = min(requested, config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return limit
