@@ -1,0 +1,162 @@
+"""Target-regenerated training data: the target's own responses plus its features.
+
+A drafter must predict what *this* target says, so its training text is the target's own
+greedy (optionally sampled) answers to ShareGPT training prompts (DFlash recipe). Each
+shard holds a batch of sequences and the target hidden states at the drafter's
+``target_layer_ids`` for every token, in fp16 (half the disk of fp32, and the drafter
+trains in fp32 from them). Shards are written atomically and skipped when present, so an
+interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from presto_sd.datasets import load_prompts
+from presto_sd.models import load_target
+
+
+@dataclass(frozen=True)
+class GenDataConfig:
+    out: str
+    target: str | None = None
+    target_layer_ids: tuple[int, ...] = (1, 8, 14, 20, 27)
+    n_prompts: int = 4000
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 192
+    batch_size: int = 32
+    temperature: float = 0.0  # 0 = greedy responses
+    seed: int = 0
+
+
+def encode_prompt_messages(tok, messages) -> list[int]:
+    enc = tok.apply_chat_template(list(messages), add_generation_prompt=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+@torch.inference_mode()
+def _features(model, seqs: list[list[int]], layer_ids, pad_id: int) -> list[torch.Tensor]:
+    """Target hidden states at ``layer_ids`` for every token of each sequence (fp16)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    out = model.get_decoder()(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return [feats[i, : len(s)].half() for i, s in enumerate(seqs)]
+
+
+def generate_training_data(cfg: GenDataConfig) -> Path:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").write_text(json.dumps(asdict(cfg), indent=2))
+    model, tok = load_target(cfg.target, torch.device("cpu"), torch.float32)
+    prompts = load_prompts("sharegpt", "train", cfg.n_prompts)
+    encoded = [(p.id, encode_prompt_messages(tok, p.messages)) for p in prompts]
+    encoded = [(pid, ids) for pid, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    # shuffled (seeded) so every shard, hence any prefix of the run, is representative
+    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    encoded = [encoded[i] for i in order]
+    batches = [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = set(filter(None, [tok.eos_token_id])) | {2}
+    torch.manual_seed(cfg.seed)
+    bar = tqdm(total=len(batches), desc="gen-data", unit="batch", mininterval=10)
+    new_tokens, t0 = 0, time.perf_counter()
+    for b, batch in enumerate(batches):
+        shard = out / f"shard_{b:05d}.safetensors"
+        if shard.exists():
+            bar.update(1)
+            continue
+        responses = _generate_batch(model, [ids for _, ids in batch], cfg, pad, eos)
+        seqs, prompt_lens = [], []
+        for (_, ids), resp in zip(batch, responses):
+            seqs.append(ids + resp)
+            prompt_lens.append(len(ids))
+            new_tokens += len(resp)
+        feats = _features(model, seqs, cfg.target_layer_ids, pad)
+        lens = torch.tensor([len(s) for s in seqs])
+        tensors = {
+            "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+            "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
+            "features": torch.cat(feats, dim=0).contiguous(),
+        }
+        tmp = shard.with_suffix(".tmp")
+        save_file(tensors, tmp)
+        tmp.rename(shard)  # atomic: a shard on disk is always whole
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    return out
+
+
+@torch.inference_mode()
+def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: int, eos: set[int]):
+    """Batched greedy/sampled decoding that drops finished rows from the batch each step.
+
+    transformers' ``generate`` keeps stepping finished rows until the longest one ends;
+    on chat data most answers are short, so that wasted most of the CPU.
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+    rows = torch.arange(len(prompts))  # original index of each active row
+    last_pos = pos[:, -1]
+    responses: list[list[int]] = [[] for _ in prompts]
+    for _ in range(cfg.max_new_tokens):
+        logits = out.logits[:, -1].float()
+        if cfg.temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / cfg.temperature, -1), 1)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        for j, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist())):
+            responses[r].append(t)
+            done[j] = t in eos or len(responses[r]) >= cfg.max_new_tokens
+        keep = (~done).nonzero()[:, 0]
+        if len(keep) == 0:
+            break
+        if len(keep) < len(rows):
+            cache.batch_select_indices(keep)
+            rows, attn, nxt, last_pos = rows[keep], attn[keep], nxt[keep], last_pos[keep]
+        attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype)], dim=1)
+        last_pos = last_pos + 1
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None],
+                    past_key_values=cache, use_cache=True)
+    return responses
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # long [T]
+    features: torch.Tensor  # fp16 [T, F]
+    prompt_len: int
+
+
+def load_shards(data_dir: str | Path) -> list[Sequence]:
+    """Every sequence of every shard in ``data_dir``."""
+    seqs = []
+    for f in sorted(Path(data_dir).glob("shard_*.safetensors")):
+        t = load_file(f)
+        off = t["offsets"].tolist()
+        for i in range(len(off) - 1):
+            seqs.append(Sequence(t["tokens"][off[i] : off[i + 1]].long(),
+                                 t["features"][off[i] : off[i + 1]], int(t["prompt_lens"][i])))
+    return seqs

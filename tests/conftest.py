@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny Llama-family targets built in the test, and drafters for them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafter_service.dflash_drafter import DFlashDrafter
+from drafter_service.dflash_model import DFlashConfig, DFlashDraftModel
+from presto_sd.models import random_drafter_config
+from verifier_service.hf_verifier import HFVerifier
+
+torch.set_num_threads(1)  # tiny models: threads cost more than they give, and CI has 2 cores
+
+
+def tiny_llama(vocab: int = 16, kv_heads: int = 2, layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama with grouped-query attention (4 heads over ``kv_heads`` KV heads)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # sharpen the output so greedy argmax is far from ties (fp reordering cannot flip it)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def tiny_drafter_model(target: LlamaForCausalLM, seed: int = 1, block_size: int = 16) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    cfg = random_drafter_config(target.config, num_layers=1, block_size=block_size)
+    cfg["dflash_config"]["target_layer_ids"] = [0, 2]
+    return DFlashDraftModel(DFlashConfig.from_dict(cfg)).eval()
+
+
+def make_engines(target: LlamaForCausalLM, drafter_model: DFlashDraftModel | None = None):
+    drafter_model = drafter_model or tiny_drafter_model(target)
+    verifier = HFVerifier(target, drafter_model.config.target_layer_ids, name="tiny-llama")
+    drafter = DFlashDrafter(
+        drafter_model, target.get_input_embeddings().weight.detach(),
+        target.get_output_embeddings().weight.detach(),
+    )
+    return verifier, drafter
+
+
+def hf_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """Plain AR greedy decoding by transformers itself: the reference output."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_target() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture()
+def engines(tiny_target):
+    return make_engines(tiny_target)

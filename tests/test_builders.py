@@ -1,0 +1,212 @@
+"""Tree builders and scores, without any model: random marginals in, trees out."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from presto_sd.builders import (
+    TreeParams,
+    build_linear_tree,
+    build_marginal_tree,
+    build_presto_beam_tree,
+    build_presto_best_first_tree,
+    build_tree,
+)
+from presto_sd.ngram import NGramModel
+from presto_sd.scores import ConstantRho, DraftMarginals, NGramRho, ScoringContext
+from presto_sd.tree import TokenTree, TreeError, TreeLimits
+
+
+def random_marginals(depth: int, k: int, vocab: int = 50, seed: int = 0) -> DraftMarginals:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(depth, vocab, generator=g) * 2
+    logp = torch.log_softmax(logits, -1)
+    top = torch.topk(logp, k, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return DraftMarginals(top.indices, top.values, entropy, torch.randn(depth, 8, generator=g))
+
+
+def ctx_for(m: DraftMarginals, context: list[int] | None = None) -> ScoringContext:
+    context = context or [1, 2, 3, 4]
+    ng = NGramModel(order=3, vocab_size=50)
+    ng.update(context)
+    return ScoringContext(m, context, ng)
+
+
+def assert_well_formed(tree: TokenTree, budget: int, depth: int) -> None:
+    tree.validate(TreeLimits(max_nodes=budget, max_depth=depth))
+    assert tree.size <= budget and tree.max_depth <= depth
+    for node in range(1, len(tree.tokens)):  # prefix-closed: siblings carry distinct tokens
+        sibs = [tree.tokens[c] for c in tree.children(tree.parents[node])]
+        assert len(sibs) == len(set(sibs))
+
+
+def brute_force_top_b(m: DraftMarginals, budget: int, depth: int) -> set[tuple[int, ...]]:
+    """All paths by cumulative log q, best B (the exact answer DDTree's heap must find)."""
+    paths = {}
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(m.top_k), repeat=d):
+            toks = tuple(int(m.token_ids[i, r]) for i, r in enumerate(ranks))
+            paths[toks] = sum(float(m.log_probs[i, r]) for i, r in enumerate(ranks))
+    return set(sorted(paths, key=lambda p: -paths[p])[:budget])
+
+
+def node_paths(tree: TokenTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.path_tokens(i)[1:]) for i in range(1, len(tree.tokens))}
+
+
+def test_linear_is_top1_chain():
+    m = random_marginals(6, 4)
+    b = build_linear_tree(7, m, TreeParams(method="linear", budget=10, depth=5))
+    assert b.tree.tokens == (7, *m.token_ids[:5, 0].tolist())
+    assert b.tree.parents == (-1, 0, 1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("budget,depth", [(1, 1), (5, 3), (12, 3), (20, 4)])
+def test_marginal_tree_is_exact_top_b(budget, depth):
+    m = random_marginals(depth, 3, seed=budget)
+    b = build_marginal_tree(0, m, TreeParams(method="marginal", budget=budget, depth=depth))
+    assert_well_formed(b.tree, budget, depth)
+    assert node_paths(b.tree) == brute_force_top_b(m, budget, depth)
+
+
+def test_best_first_with_zero_lambda_is_marginal():
+    m = random_marginals(8, 6, seed=3)
+    ctx = ctx_for(m)
+    params = TreeParams(budget=40, depth=8, lambdas=(0.0,))
+    a = build_presto_best_first_tree(0, ctx, NGramRho(), params)
+    b = build_marginal_tree(0, m, params)
+    assert a.tree == b.tree and a.path_scores == b.path_scores
+
+
+def test_presto_beam_with_zero_lambda_ranks_as_marginal():
+    """lambda = 0: every node's score is its cumulative log q, whatever the rho provider."""
+    m = random_marginals(8, 6, seed=4)
+    ctx = ctx_for(m)
+    params = TreeParams(budget=30, depth=8, branching=3, beam=3, lambdas=(0.0,))
+    a = build_presto_beam_tree(0, ctx, NGramRho(), params)
+    b = build_presto_beam_tree(0, ctx, ConstantRho(0.1), params)
+    assert a.tree == b.tree
+    rank_of = {(d, int(t)): float(m.log_probs[d, j]) for d in range(8) for j, t in enumerate(m.token_ids[d])}
+    for i in range(1, len(a.tree.tokens)):
+        path = a.tree.path_tokens(i)[1:]
+        expected = sum(rank_of[(d, t)] for d, t in enumerate(path))
+        assert a.path_scores[i] == pytest.approx(expected, abs=1e-5)
+
+
+def test_beam_one_one_is_linear():
+    m = random_marginals(6, 4)
+    ctx = ctx_for(m)
+    beam = build_presto_beam_tree(9, ctx, NGramRho(), TreeParams(budget=6, depth=6, branching=1, beam=1, lambdas=(0.0,)))
+    lin = build_linear_tree(9, m, TreeParams(budget=6, depth=6))
+    assert beam.tree == lin.tree
+
+
+def test_global_retention_keeps_paths_that_left_the_beam():
+    m = random_marginals(5, 4, seed=7)
+    ctx = ctx_for(m)
+    b = build_presto_beam_tree(0, ctx, NGramRho(), TreeParams(budget=100, depth=5, branching=2, beam=1))
+    # beam 1 x branching 2: two nodes per depth, and only one of them ever gets children
+    assert b.tree.size == 10
+    for d in range(1, 6):
+        at_d = [i for i in range(len(b.tree.tokens)) if b.tree.depths[i] == d]
+        assert len(at_d) == 2
+        assert sum(1 for i in at_d if b.tree.children(i)) <= 1
+        assert any(not b.tree.children(i) for i in at_d)  # a retained leaf that left the beam
+
+
+def test_rho_reorders_paths():
+    """A strong n-gram bigram makes presto prefer a continuation the marginals rank second."""
+    m = random_marginals(2, 4, seed=11)
+    second = int(m.token_ids[1, 1])
+    first0 = int(m.token_ids[0, 0])
+    ng = NGramModel(order=2, vocab_size=50)
+    ng.update([first0, second] * 50)
+    ctx = ScoringContext(m, [5, first0], ng)
+    b = build_presto_beam_tree(5, ctx, NGramRho(), TreeParams(budget=2, depth=2, branching=1, beam=1))
+    assert b.tree.tokens == (5, first0, second)
+
+
+def test_unknown_method_and_missing_rho():
+    m = random_marginals(3, 3)
+    with pytest.raises(ValueError, match="unknown"):
+        build_tree(0, ctx_for(m), TreeParams(method="nope"))
+    with pytest.raises(ValueError, match="rho"):
+        build_tree(0, ctx_for(m), TreeParams(method="presto-beam"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    method=st.sampled_from(["linear", "marginal", "presto-beam", "presto-best-first"]),
+    budget=st.integers(1, 64),
+    depth=st.integers(1, 15),
+    k=st.integers(1, 8),
+    branching=st.integers(1, 5),
+    beam=st.integers(1, 5),
+    lam=st.floats(0, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_builders_properties(method, budget, depth, k, branching, beam, lam, seed):
+    m = random_marginals(15, k, seed=seed)
+    params = TreeParams(method=method, budget=budget, depth=depth, branching=branching, beam=beam,
+                        lambdas=(lam,))
+    built = build_tree(3, ctx_for(m), params, NGramRho())
+    assert_well_formed(built.tree, budget, depth)
+    assert built.tree.tokens[0] == 3
+    # scores never grow along a path (what makes best-first exact and top-B prefix-closed)
+    for i in range(1, len(built.tree.tokens)):
+        assert built.path_scores[i] <= built.path_scores[built.tree.parents[i]] + 1e-6
+    if method in ("marginal", "presto-best-first"):
+        assert built.tree.size == min(budget, sum(k**d for d in range(1, depth + 1)))
+
+
+# -- the tree type ----------------------------------------------------------------------
+
+
+def test_tree_mask_and_positions():
+    t = TokenTree.from_lists([5, 6, 7, 8], [-1, 0, 0, 1])
+    assert t.position_ids(10).tolist() == [10, 11, 11, 12]
+    mask = t.ancestor_mask()
+    assert mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, True, False],
+        [True, True, False, True],
+    ]
+
+
+@pytest.mark.parametrize(
+    "tokens,parents,depths,limits,match",
+    [
+        ((), (), (), TreeLimits(), "empty"),
+        ((1, 2, 3), (-1, 2, 0), (0, 1, 1), TreeLimits(), r"parents\[1\]"),
+        ((1, 2, 3), (-1, 0, 1), (0, 1, 1), TreeLimits(), r"depths\[2\]"),
+        ((1, 2, 99), (-1, 0, 1), (0, 1, 2), TreeLimits(vocab_size=50), r"tokens\[2\] = 99"),
+        ((1, 2, -1), (-1, 0, 1), (0, 1, 2), TreeLimits(vocab_size=50), r"tokens\[2\]"),
+        ((1, 2, 3), (-1, 0, 1), (0, 1, 2), TreeLimits(max_nodes=1), "exceed"),
+        ((1, 2, 3), (-1, 0, 1), (0, 1, 2), TreeLimits(max_depth=1), "depth"),
+        ((1, 2), (0, 0), (0, 1), TreeLimits(), r"parents\[0\]"),
+        ((1, 2), (-1,), (0,), TreeLimits(), "lengths"),
+    ],
+)
+def test_tree_validation_names_the_problem(tokens, parents, depths, limits, match):
+    with pytest.raises(TreeError, match=match):
+        TokenTree(tokens, parents, depths).validate(limits)
+
+
+def test_ngram_backoff_and_persistence(tmp_path):
+    ng = NGramModel(order=3, vocab_size=10)
+    ng.update([1, 2, 3, 1, 2, 3, 1, 2, 4])
+    p = ng.probs([1, 2], [3, 4, 5])
+    assert p[0] > p[1] > p[2] > 0
+    assert float(ng.probs([7, 7], [3]).item()) == pytest.approx(float(ng.probs([], [3]).item()))
+    ng.save(tmp_path / "t.json.gz")
+    again = NGramModel.load(tmp_path / "t.json.gz")
+    assert torch.allclose(again.probs([1, 2], [3, 4, 5]), p)
+    assert math.isclose(float(ng.probs([1, 2], list(range(10))).sum()), 1.0, rel_tol=1e-5)

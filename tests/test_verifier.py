@@ -1,0 +1,172 @@
+"""The verifier: tree attention equals causal attention, KV compaction equals AR KV, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from presto_sd.messages import (
+    InvalidArgumentError,
+    LimitExceededError,
+    SessionNotFoundError,
+    StaleBaseError,
+)
+from presto_sd.tree import TokenTree
+from tests.conftest import hf_greedy
+from verifier_service.engine import VerifierLimits
+from verifier_service.hf_verifier import HFVerifier
+
+PROMPT = [0, 3, 5, 7, 2, 9, 4]
+# root, then 3 children; a grandchild under the 2nd and 3rd; a depth-3 node under the 3rd's child
+TREE_PARENTS = [-1, 0, 0, 0, 2, 3, 5]
+TREE_TOKENS_REST = [1, 6, 11, 8, 12, 3]
+
+LOGIT_ATOL = 1e-4  # fp32: same math, different matmul shapes
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def test_tree_logits_equal_causal_path_logits(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = v.prefill("s", PROMPT)
+    tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
+    s = v.sessions["s"]
+    mask_fn = __import__("presto_sd.tree", fromlist=["tree_attention_mask"]).tree_attention_mask
+    hidden, _ = v._forward(s.cache, list(tree.tokens), tree.position_ids(len(PROMPT)),
+                           mask_fn(tree, len(PROMPT)))
+    logits = v._logits(hidden)
+    for node in range(len(tree.tokens)):
+        ref = full_logits(tiny_target, PROMPT + tree.path_tokens(node))[-1]
+        torch.testing.assert_close(logits[node], ref, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_compacted_kv_equals_ar_kv(tiny_target):
+    """Accept a path that is not a prefix of the node list; the KV must be AR's KV."""
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = v.prefill("s", PROMPT)
+    greedy = hf_greedy(tiny_target, PROMPT, 6)
+    assert greedy[0] == pre.anchor
+    # decoys first, so the true path sits at non-contiguous node indices
+    toks = [pre.anchor, (greedy[1] + 1) % 16, (greedy[1] + 2) % 16, greedy[1], (greedy[2] + 1) % 16, greedy[2]]
+    tree = TokenTree.from_lists(toks, [-1, 0, 0, 0, 3, 3])
+    res = v.verify("s", pre.base, tree)
+    assert res.accepted == tuple(greedy[1:3]) and res.bonus == greedy[3]
+    assert res.accepted_nodes == (0, 3, 5)
+    committed = PROMPT + list(greedy[:3])
+    ref = DynamicCache()
+    with torch.no_grad():
+        tiny_target(torch.tensor([committed]), past_key_values=ref, use_cache=True)
+    cache = v.sessions["s"].cache
+    for mine, theirs in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=0)
+    # the feature delta covers the anchor and the accepted tokens, at the old base
+    assert res.delta.start == len(PROMPT) and res.delta.tokens == tuple(greedy[:3])
+    assert res.base == len(PROMPT) + 3
+
+
+def test_node_probs_are_target_probabilities(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = v.prefill("s", PROMPT)
+    tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
+    res = v.verify("s", pre.base, tree, want_node_probs=True)
+    for node in range(1, len(tree.tokens)):
+        parent_path = PROMPT + tree.path_tokens(tree.parents[node])
+        p = torch.softmax(full_logits(tiny_target, parent_path)[-1], -1)[tree.tokens[node]]
+        assert float(res.node_probs[node]) == pytest.approx(float(p), abs=1e-4)
+
+
+def test_step_is_ar(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = v.prefill("s", PROMPT)
+    out, base = [pre.anchor], pre.base
+    for _ in range(7):
+        r = v.step("s", base)
+        out.append(r.bonus)
+        base = r.base
+    assert out == hf_greedy(tiny_target, PROMPT, 8)
+
+
+@pytest.mark.parametrize(
+    "tokens,parents,match",
+    [
+        (None, [-1, 2, 0], r"parents\[1\]"),  # parent after child
+        (None, [-1, 0, 0, 5], r"parents\[3\]"),
+        ("oob", [-1, 0], r"tokens\[1\] = 16"),  # token out of range
+        ("root", [-1, 0], "anchor"),  # root is not the session's anchor
+        ("big", None, "exceed"),  # over the node limit
+    ],
+)
+def test_bad_trees_are_refused_and_the_session_survives(tiny_target, tokens, parents, match):
+    v = HFVerifier(tiny_target, (0, 2), limits=VerifierLimits(tree=__import__(
+        "presto_sd.tree", fromlist=["TreeLimits"]).TreeLimits(max_nodes=8)))
+    pre = v.prefill("s", PROMPT)
+    a = pre.anchor
+    if tokens == "big":
+        tree = TokenTree.from_lists([a] + [1] * 9, [-1] + list(range(9)))
+    elif tokens == "oob":
+        tree = TokenTree.from_lists([a, 16], parents)
+    elif tokens == "root":
+        tree = TokenTree.from_lists([(a + 1) % 16, 1], parents)
+    else:
+        tree = TokenTree.from_lists([a] + [1] * (len(parents) - 1), parents)
+    with pytest.raises(InvalidArgumentError, match=match):
+        v.verify("s", pre.base, tree)
+    # nothing was touched: the session goes on exactly as AR
+    out, base = [a], pre.base
+    for _ in range(4):
+        r = v.step("s", base)
+        out.append(r.bonus)
+        base = r.base
+    assert out == hf_greedy(tiny_target, PROMPT, 5)
+
+
+def test_wrong_depths_are_refused(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = v.prefill("s", PROMPT)
+    tree = TokenTree((pre.anchor, 1, 2), (-1, 0, 0), (0, 1, 2))
+    with pytest.raises(InvalidArgumentError, match=r"depths\[2\]"):
+        v.verify("s", pre.base, tree)
+
+
+def test_empty_tree_and_prompt_are_refused(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2))
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        v.prefill("s", [])
+    pre = v.prefill("s", PROMPT)
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        v.verify("s", pre.base, TokenTree((), (), ()))
+
+
+def test_unknown_session_and_stale_base(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2))
+    with pytest.raises(SessionNotFoundError, match="nope"):
+        v.step("nope", 0)
+    pre = v.prefill("s", PROMPT)
+    with pytest.raises(StaleBaseError, match="stale base 3"):
+        v.step("s", 3)
+    r = v.step("s", pre.base)
+    with pytest.raises(StaleBaseError):
+        v.step("s", pre.base)  # a replayed call: refused, not applied twice
+    assert v.step("s", r.base).base == r.base + 1
+    v.close("s")
+    with pytest.raises(SessionNotFoundError):
+        v.close("s")
+
+
+def test_limits(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2), limits=VerifierLimits(max_sessions=1, max_context=12))
+    with pytest.raises(LimitExceededError, match="max_context"):
+        v.prefill("a", list(range(12)))
+    pre = v.prefill("a", PROMPT)
+    with pytest.raises(LimitExceededError, match="sessions"):
+        v.prefill("b", PROMPT)
+    deep = TokenTree.from_lists([pre.anchor] + [1] * 6, [-1, 0, 1, 2, 3, 4, 5])
+    with pytest.raises(LimitExceededError, match="max_context"):
+        v.verify("a", pre.base, deep)
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        v.prefill("a", [0, 99])
