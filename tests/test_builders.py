@@ -103,7 +103,8 @@ def test_presto_beam_with_zero_lambda_ranks_as_marginal():
 def test_beam_one_one_is_linear():
     m = random_marginals(6, 4)
     ctx = ctx_for(m)
-    beam = build_presto_beam_tree(9, ctx, NGramRho(), TreeParams(budget=6, depth=6, branching=1, beam=1, lambdas=(0.0,)))
+    params = TreeParams(budget=6, depth=6, branching=1, beam=1, lambdas=(0.0,))
+    beam = build_presto_beam_tree(9, ctx, NGramRho(), params)
     lin = build_linear_tree(9, m, TreeParams(budget=6, depth=6))
     assert beam.tree == lin.tree
 

@@ -51,7 +51,8 @@ def test_compacted_kv_equals_ar_kv(tiny_target):
     greedy = hf_greedy(tiny_target, PROMPT, 6)
     assert greedy[0] == pre.anchor
     # decoys first, so the true path sits at non-contiguous node indices
-    toks = [pre.anchor, (greedy[1] + 1) % 16, (greedy[1] + 2) % 16, greedy[1], (greedy[2] + 1) % 16, greedy[2]]
+    g1, g2 = greedy[1], greedy[2]
+    toks = [pre.anchor, (g1 + 1) % 16, (g1 + 2) % 16, g1, (g2 + 1) % 16, g2]
     tree = TokenTree.from_lists(toks, [-1, 0, 0, 0, 3, 3])
     res = v.verify("s", pre.base, tree)
     assert res.accepted == tuple(greedy[1:3]) and res.bonus == greedy[3]
