@@ -57,6 +57,9 @@ class DFlashDrafter(Drafter):
         self.model = model.eval()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
+        # a reduced draft vocabulary drafts from the target's rows lm_head[d2t] only
+        self.d2t = model.d2t.to(lm_head.device) if model.d2t is not None else None
+        self.draft_head = lm_head[self.d2t] if self.d2t is not None else lm_head
         self.vocab_size = lm_head.shape[0]
         self.rho_providers: dict[str, RhoProvider] = {
             "constant": ConstantRho(),
@@ -164,10 +167,11 @@ class DFlashDrafter(Drafter):
         embeds = self.embed_tokens[block].to(self.model.fc.weight.dtype)
         positions = torch.arange(n, n + c.block_size)[None]
         hidden = self.model(embeds, positions, session.ctx_kv)[0, 1 : depth + 1]
-        logp = torch.log_softmax((hidden.to(self.lm_head.dtype) @ self.lm_head.T).float(), dim=-1)
+        logp = torch.log_softmax((hidden.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1)
         top = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
-        return DraftMarginals(top.indices, top.values, entropy, hidden.float())
+        ids = self.d2t[top.indices] if self.d2t is not None else top.indices
+        return DraftMarginals(ids, top.values, entropy, hidden.float())
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
         s = self._session(session_id)

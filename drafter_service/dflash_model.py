@@ -42,6 +42,7 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     attention_bias: bool = False
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary (token map d2t), if any
 
     @classmethod
     def from_dict(cls, d: dict) -> DFlashConfig:
@@ -69,13 +70,15 @@ class DFlashConfig:
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             attention_bias=d.get("attention_bias", False),
+            draft_vocab_size=dflash.get("draft_vocab_size"),
         )
 
     def to_dict(self) -> dict:
         """The DFlash checkpoint's config.json layout."""
         d = asdict(self)
-        for k in ("block_size", "mask_token_id", "target_layer_ids", "rope_theta"):
+        for k in ("block_size", "mask_token_id", "target_layer_ids", "rope_theta", "draft_vocab_size"):
             d.pop(k)
+        extra = {"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -85,6 +88,7 @@ class DFlashConfig:
                 "block_size": self.block_size,
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                **extra,
             },
             "hidden_act": "silu",
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
@@ -197,6 +201,8 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # draft id -> target id; None = the full target vocabulary (public checkpoints)
+        self.d2t: torch.Tensor | None = None
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
@@ -234,6 +240,8 @@ class DFlashDraftModel(nn.Module):
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        if self.d2t is not None:
+            save_file({"d2t": self.d2t.contiguous()}, path / "draft_vocab.safetensors")
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
@@ -242,10 +250,15 @@ class DFlashDraftModel(nn.Module):
         model = cls(config)
         state = {}
         for f in sorted(path.glob("*.safetensors")):
-            state.update(load_file(f))
+            if f.name != "draft_vocab.safetensors":
+                state.update(load_file(f))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing:
             raise ValueError(f"drafter checkpoint {path}: missing weights {missing[:5]}")
         if unexpected:
             raise ValueError(f"drafter checkpoint {path}: unexpected weights {unexpected[:5]}")
+        if config.draft_vocab_size:
+            model.d2t = load_file(path / "draft_vocab.safetensors")["d2t"].long()
+            if len(model.d2t) != config.draft_vocab_size:
+                raise ValueError(f"drafter checkpoint {path}: d2t size does not match draft_vocab_size")
         return model.to(dtype).eval()

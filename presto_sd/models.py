@@ -91,6 +91,13 @@ def save_dequantized(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: 
     tok.save_pretrained(out)
 
 
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """transformers >= 5.2x names a forward's KV cache argument ``cache``; older, ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -8,7 +8,6 @@ decoding of the same tokens produces (tests hold this).
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from presto_sd.messages import (
     SessionNotFoundError,
     check_base,
 )
+from presto_sd.models import cache_kwarg
 from presto_sd.tree import TokenTree, TreeError, tree_attention_mask
 from verifier_service.engine import (
     PrefillResult,
@@ -73,9 +73,7 @@ class HFVerifier(Verifier):
         )
         self.eos_token_ids = tuple(eos_token_ids)
         self.name = name or model.config.name_or_path
-        # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
-        params = inspect.signature(self.decoder.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.decoder)
         self.sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # the session table; forwards are per-session
 

@@ -3,7 +3,8 @@
 A drafter must predict what *this* target says, so its training text is the target's own
 greedy (optionally sampled) answers to ShareGPT training prompts (DFlash recipe). Each
 shard holds a batch of sequences and the target hidden states at the drafter's
-``target_layer_ids`` for every token, in fp16 (half the disk of fp32, and the drafter
+``target_layer_ids`` for every token, in bf16 (half the disk of fp32, fp32 range: the
+residual stream has outliers past fp16 range; the drafter
 trains in fp32 from them). Shards are written atomically and skipped when present, so an
 interrupted run resumes where it stopped.
 """
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from presto_sd.datasets import load_prompts
-from presto_sd.models import load_target
+from presto_sd.models import cache_kwarg, load_target
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,6 @@ class GenDataConfig:
 def encode_prompt_messages(tok, messages) -> list[int]:
     enc = tok.apply_chat_template(list(messages), add_generation_prompt=True)
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-
-
-@torch.inference_mode()
-def _features(model, seqs: list[list[int]], layer_ids, pad_id: int) -> list[torch.Tensor]:
-    """Target hidden states at ``layer_ids`` for every token of each sequence (fp16)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    out = model.get_decoder()(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    return [feats[i, : len(s)].half() for i, s in enumerate(seqs)]
 
 
 def generate_training_data(cfg: GenDataConfig) -> Path:
@@ -78,13 +65,12 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
         if shard.exists():
             bar.update(1)
             continue
-        responses = _generate_batch(model, [ids for _, ids in batch], cfg, pad, eos)
+        responses, feats = _generate_batch(model, [ids for _, ids in batch], cfg, pad, eos)
         seqs, prompt_lens = [], []
         for (_, ids), resp in zip(batch, responses):
             seqs.append(ids + resp)
             prompt_lens.append(len(ids))
             new_tokens += len(resp)
-        feats = _features(model, seqs, cfg.target_layer_ids, pad)
         lens = torch.tensor([len(s) for s in seqs])
         tensors = {
             "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
@@ -106,8 +92,16 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
     """Batched greedy/sampled decoding that drops finished rows from the batch each step.
 
     transformers' ``generate`` keeps stepping finished rows until the longest one ends;
-    on chat data most answers are short, so that wasted most of the CPU.
+    on chat data most answers are short, so that wasted most of the CPU. The features are
+    captured from the same forwards (no second pass): every token's hidden states at the
+    target layers, except the last token's, which is never fed and never needed (a
+    training block only sees context before its anchor); it is stored as zeros.
     """
+    layer_ids = cfg.target_layer_ids
+
+    def layer_feats(o) -> torch.Tensor:
+        return torch.cat([o.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -116,7 +110,11 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         attn[i, width - len(p):] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+    kv = {cache_kwarg(model): cache}
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv,
+                logits_to_keep=1, output_hidden_states=True)  # full [B, T, V] logits: gigabytes
+    pre = layer_feats(out)
+    feats = [[pre[i, width - len(p):]] for i, p in enumerate(prompts)]
     rows = torch.arange(len(prompts))  # original index of each active row
     last_pos = pos[:, -1]
     responses: list[list[int]] = [[] for _ in prompts]
@@ -139,14 +137,19 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype)], dim=1)
         last_pos = last_pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                    past_key_values=cache, use_cache=True)
-    return responses
+                    use_cache=True, output_hidden_states=True, **kv)
+        step = layer_feats(out)
+        for j, r in enumerate(rows.tolist()):
+            feats[r].append(step[j])
+    width_f = feats[0][0].shape[-1]
+    feats = [torch.cat([*f, torch.zeros(1, width_f, dtype=torch.bfloat16)]) for f in feats]
+    return responses, feats
 
 
 @dataclass
 class Sequence:
     tokens: torch.Tensor  # long [T]
-    features: torch.Tensor  # fp16 [T, F]
+    features: torch.Tensor  # bf16 [T, F]
     prompt_len: int
 
 
