@@ -14,6 +14,7 @@ from orchestrator.embedded import build_embedded
 from orchestrator.generate import GenerationParams, generate
 from presto_sd.builders import TreeParams
 from presto_sd.models import DEFAULT_DRAFTER, fetch_smollm2
+from presto_sd.training.acceptance import AcceptanceConfig, train_acceptance
 from presto_sd.training.gen_data import GenDataConfig, generate_training_data, load_shards
 from presto_sd.training.train_drafter import TrainConfig, train_drafter
 
@@ -57,14 +58,25 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
     model = DFlashDraftModel.load(drafter_dir)
     assert model.config.block_size == 4 and model.d2t is not None and len(model.d2t) <= 64
 
-    # the trained checkpoint drives lossless decoding of its target
+    # acceptance predictors: traces -> h_phi, n-gram table, lambdas, calibration report
+    report = train_acceptance(AcceptanceConfig(
+        drafter=str(drafter_dir), data=str(data), target=str(tiny_target_dir), n_prompts=4,
+        max_new_tokens=10, budget=8, depth=3, epochs=2))
+    for name in ("hphi", "ngram", "marginal_q"):
+        assert 0 <= report[name]["brier"] <= 1
+    for f in ("h_phi/h_phi.safetensors", "ngram.json.gz", "presto.json", "reliability.png"):
+        assert (drafter_dir / f).exists(), f
+    assert len(json.loads((drafter_dir / "presto.json").read_text())["lambdas"]) == 3
+
+    # the trained checkpoint (with its PRESTO assets) drives lossless decoding of its target
     stack = build_embedded(str(tiny_target_dir), str(drafter_dir), device=torch.device("cpu"))
     prompt = [1, 2, 3, 4, 5]
     ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
-    for method in ("linear", "presto-beam"):
+    assert set(stack.drafter.rho_providers) >= {"ngram", "hphi"}
+    for method, rho in (("linear", "ngram"), ("presto-beam", "hphi"), ("presto-best-first", "ngram")):
+        tree = TreeParams(method=method, budget=8, rho=rho, lambdas=tuple(stack.presto_defaults["lambdas"]))
         res = generate(stack.verifier, stack.drafter, prompt,
-                       GenerationParams(method=method, tree=TreeParams(method=method, budget=8),
-                                        max_new_tokens=12))
+                       GenerationParams(method=method, tree=tree, max_new_tokens=12))
         assert res.token_ids == ar.token_ids
 
 

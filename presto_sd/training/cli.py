@@ -56,6 +56,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     dr.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
     dr.add_argument("--out", default="runs/drafter", help="(default: %(default)s)")
 
+    from presto_sd.training.acceptance import AcceptanceConfig
+
+    acc = tsub.add_parser("acceptance", help="verification traces -> h_phi, n-gram table, lambda_d, "
+                          "calibration report; written into the drafter dir")
+    _add_dataclass_args(acc, AcceptanceConfig, skip=("drafter", "data"))
+    acc.add_argument("--drafter", required=True, help="the drafter dir to equip")
+    acc.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="gen-data shards (n-gram table)")
+
 
 def run(args: argparse.Namespace) -> int:
     if args.train_command == "gen-data":
@@ -66,4 +74,11 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.training.train_drafter import TrainConfig, train_drafter
 
         print(train_drafter(_to_config(TrainConfig, args)))
+    elif args.train_command == "acceptance":
+        import json
+
+        from presto_sd.training.acceptance import AcceptanceConfig, train_acceptance
+
+        report = train_acceptance(_to_config(AcceptanceConfig, args))
+        print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     return 0
