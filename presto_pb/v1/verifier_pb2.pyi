@@ -1,0 +1,92 @@
+from presto_pb.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifierPrefillRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "sampling", "anchor")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    anchor: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., anchor: _Optional[int] = ...) -> None: ...
+
+class VerifierPrefillResponse(_message.Message):
+    __slots__ = ("anchor", "delta", "base")
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    anchor: int
+    delta: _common_pb2.FeatureDelta
+    base: int
+    def __init__(self, anchor: _Optional[int] = ..., delta: _Optional[_Union[_common_pb2.FeatureDelta, _Mapping]] = ..., base: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session", "tree", "want_node_probs")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    WANT_NODE_PROBS_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.SessionRef
+    tree: _common_pb2.TokenTree
+    want_node_probs: bool
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., want_node_probs: _Optional[bool] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: _common_pb2.SessionRef
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("accepted", "bonus", "delta", "base", "node_probs", "accepted_nodes")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    NODE_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    bonus: int
+    delta: _common_pb2.FeatureDelta
+    base: int
+    node_probs: _common_pb2.Tensor
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., delta: _Optional[_Union[_common_pb2.FeatureDelta, _Mapping]] = ..., base: _Optional[int] = ..., node_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifierLimits(_message.Message):
+    __slots__ = ("max_sessions", "max_context", "max_tree_nodes", "max_tree_depth")
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    max_sessions: int
+    max_context: int
+    max_tree_nodes: int
+    max_tree_depth: int
+    def __init__(self, max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ...) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    limits: VerifierLimits
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ...) -> None: ...
