@@ -47,6 +47,7 @@ class DFlashDrafter(Drafter):
         rho_providers: dict[str, RhoProvider] | None = None,
         max_sessions: int = 256,
         max_context: int = 8192,
+        max_budget: int = 1024,  # draft nodes per tree: bounds the tree building work
     ) -> None:
         c = model.config
         if embed_tokens.shape[1] != c.hidden_size or lm_head.shape[1] != c.hidden_size:
@@ -68,6 +69,7 @@ class DFlashDrafter(Drafter):
         }
         self.max_sessions = max_sessions
         self.max_context = max_context
+        self.max_budget = max_budget
         self.sessions: dict[str, _DraftSession] = {}
         self._lock = threading.Lock()
 
@@ -84,6 +86,7 @@ class DFlashDrafter(Drafter):
             vocab_size=self.vocab_size,
             methods=METHODS,
             rho_providers=tuple(self.rho_providers),
+            max_sessions=self.max_sessions,
         )
 
     def _session(self, session_id: str) -> _DraftSession:
@@ -178,6 +181,10 @@ class DFlashDrafter(Drafter):
         check_base(session_id, s.base, base)
         if not 0 <= anchor < self.vocab_size:
             raise InvalidArgumentError(f"draft.anchor = {anchor}: out of range [0, {self.vocab_size})")
+        if params.budget > self.max_budget:
+            raise LimitExceededError(
+                f"tree.budget = {params.budget}: over the drafter's limit {self.max_budget}"
+            )
         rho = None
         if params.method.startswith("presto"):
             rho = self.rho_providers.get(params.rho)

@@ -23,6 +23,10 @@ class DrafterInfo:
     vocab_size: int
     methods: tuple[str, ...]
     rho_providers: tuple[str, ...]
+    name: str = ""
+    default_rho: str | None = None  # PRESTO settings fitted for this drafter, if shipped
+    default_lambdas: tuple[float, ...] = ()
+    max_sessions: int = 0  # 0: not stated
 
 
 @dataclass(frozen=True)

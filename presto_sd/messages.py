@@ -38,6 +38,24 @@ class LimitExceededError(EngineError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class UnauthenticatedError(EngineError):
+    code = "UNAUTHENTICATED"
+
+
+class UnavailableError(EngineError):
+    """The engine cannot answer now: loading, unreachable, or past the call's deadline."""
+
+    code = "UNAVAILABLE"
+
+
+class DrafterUnavailableError(UnavailableError):
+    """The drafter is down or timed out: the loop goes on with plain AR steps."""
+
+
+class VerifierUnavailableError(UnavailableError):
+    """The verifier is down or timed out: the loop waits for it and re-prefills."""
+
+
 @dataclass(frozen=True)
 class FeatureDelta:
     """Target features of newly committed tokens, for the drafter's context cache.

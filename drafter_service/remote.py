@@ -1,0 +1,61 @@
+"""``RemoteDrafter``: the ``Drafter`` interface over gRPC, so the loop runs unchanged.
+
+Status codes come back as the named errors of ``presto_sd.messages``; a server that is
+away or too slow raises ``DrafterUnavailableError`` (the loop then takes AR steps).
+"""
+
+from __future__ import annotations
+
+from drafter_service import wire
+from drafter_service.engine import Drafter, DrafterInfo, DraftResult
+from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from presto_sd.builders import TreeParams
+from presto_sd.messages import DrafterUnavailableError, FeatureDelta
+from presto_sd.rpc.client import ClientConfig, RpcClient
+from presto_sd.rpc.wire import delta_to_pb, session_ref_to_pb, tree_params_to_pb
+
+
+class RemoteDrafter(Drafter):
+    def __init__(
+        self,
+        address: str,
+        config: ClientConfig | None = None,
+        timeout_s: float = 10.0,  # past this a round goes on without a tree
+        prefill_timeout_s: float = 120.0,
+        want_marginals: bool = False,  # ship the top-K marginals back (traces, h_phi)
+    ) -> None:
+        self.rpc = RpcClient(address, config or ClientConfig(), DrafterUnavailableError)
+        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.rpc.channel)
+        self.timeout_s, self.prefill_timeout_s = timeout_s, prefill_timeout_s
+        self.want_marginals = want_marginals
+        self._info: DrafterInfo | None = None
+
+    def info(self) -> DrafterInfo:
+        if self._info is None:
+            msg = self.rpc.call(self.stub.Info, common_pb2.InfoRequest(), self.timeout_s)
+            self._info = wire.info_from_pb(msg)
+        return self._info
+
+    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
+        request = drafter_pb2.DrafterPrefillRequest(session_id=session_id, delta=delta_to_pb(delta))
+        return self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s).base
+
+    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
+        request = drafter_pb2.DraftRequest(
+            session=session_ref_to_pb(session_id, base), anchor=anchor,
+            params=tree_params_to_pb(params), want_marginals=self.want_marginals,
+        )
+        return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
+
+    def commit(self, session_id: str, delta: FeatureDelta) -> int:
+        request = drafter_pb2.CommitRequest(
+            session=session_ref_to_pb(session_id, delta.start), delta=delta_to_pb(delta)
+        )
+        return self.rpc.call(self.stub.Commit, request, self.timeout_s).base
+
+    def close(self, session_id: str) -> None:
+        self.rpc.call(self.stub.Close, common_pb2.CloseRequest(session_id=session_id), self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Close the channel (the sessions stay until closed or expired)."""
+        self.rpc.close()

@@ -1,0 +1,66 @@
+"""``to_pb`` / ``from_pb`` for the drafter's own messages (``drafter.proto``)."""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_service.engine import DrafterInfo, DraftResult
+from presto_pb.v1 import drafter_pb2 as pb
+from presto_sd.rpc.wire import tensor_from_pb, tensor_to_pb, tree_from_pb, tree_to_pb
+from presto_sd.scores import DraftMarginals
+
+NO_MARGINALS = DraftMarginals(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1), torch.zeros(0))
+
+
+def marginals_to_pb(m: DraftMarginals) -> pb.Marginals:
+    msg = pb.Marginals(
+        token_ids=tensor_to_pb(m.token_ids.long()), log_probs=tensor_to_pb(m.log_probs.float()),
+        entropy=tensor_to_pb(m.entropy.float()),
+    )
+    if m.hidden is not None:
+        msg.hidden.CopyFrom(tensor_to_pb(m.hidden.float()))
+    return msg
+
+
+def marginals_from_pb(msg: pb.Marginals) -> DraftMarginals:
+    hidden = tensor_from_pb(msg.hidden, "marginals.hidden") if msg.HasField("hidden") else None
+    return DraftMarginals(
+        tensor_from_pb(msg.token_ids, "marginals.token_ids"),
+        tensor_from_pb(msg.log_probs, "marginals.log_probs"),
+        tensor_from_pb(msg.entropy, "marginals.entropy"),
+        hidden,
+    )
+
+
+def draft_result_to_pb(r: DraftResult, want_marginals: bool) -> pb.DraftResponse:
+    msg = pb.DraftResponse(
+        tree=tree_to_pb(r.tree), path_scores=r.path_scores, forward_s=r.forward_s, build_s=r.build_s
+    )
+    if want_marginals:
+        msg.marginals.CopyFrom(marginals_to_pb(r.marginals))
+    return msg
+
+
+def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
+    marginals = marginals_from_pb(msg.marginals) if msg.HasField("marginals") else NO_MARGINALS
+    return DraftResult(
+        tree=tree_from_pb(msg.tree), marginals=marginals, path_scores=tuple(msg.path_scores),
+        forward_s=msg.forward_s, build_s=msg.build_s,
+    )
+
+
+def info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
+    return pb.DrafterInfo(
+        block_size=i.block_size, target_layer_ids=i.target_layer_ids, mask_token_id=i.mask_token_id,
+        vocab_size=i.vocab_size, methods=i.methods, rho_providers=i.rho_providers, name=i.name,
+        default_rho=i.default_rho or "", default_lambdas=i.default_lambdas, max_sessions=i.max_sessions,
+    )
+
+
+def info_from_pb(msg: pb.DrafterInfo) -> DrafterInfo:
+    return DrafterInfo(
+        block_size=msg.block_size, target_layer_ids=tuple(msg.target_layer_ids),
+        mask_token_id=msg.mask_token_id, vocab_size=msg.vocab_size, methods=tuple(msg.methods),
+        rho_providers=tuple(msg.rho_providers), name=msg.name, default_rho=msg.default_rho or None,
+        default_lambdas=tuple(msg.default_lambdas), max_sessions=msg.max_sessions,
+    )

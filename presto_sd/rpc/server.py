@@ -1,0 +1,259 @@
+"""The grpc.aio server both services run in (DESIGN.md §3).
+
+- Health (``grpc.health.v1``): NOT_SERVING until the engine is loaded, SERVING once it is,
+  NOT_SERVING again while draining (SIGTERM), then a graceful stop. Reflection is on.
+- One interceptor: the bearer token (health and reflection stay open, for probes and
+  tooling), exceptions -> status codes (``errors.status_of``), one JSON log line per call.
+- Engines are synchronous: each runs its calls one at a time on its own thread (the
+  per-engine lock); a call whose deadline passed while it queued is not run.
+- Message limits raised for feature deltas; a session cap (the engine's) and a TTL
+  reaper that frees idle sessions (``engine.close_idle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from presto_sd.messages import UnauthenticatedError, UnavailableError
+from presto_sd.rpc.errors import DeadlineExpiredError, status_of
+
+log = logging.getLogger("presto_sd.rpc")
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def message_options(max_message_mb: int) -> list[tuple[str, int]]:
+    n = max_message_mb * (1 << 20)
+    return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (the bound one is logged and returned by start())
+    tls_cert: str | None = None  # PEM files; cert + key turn TLS on
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: clients must show a cert this CA signed
+    auth_token: str | None = None  # clients must send "authorization: Bearer <token>"
+    session_ttl_s: float = 600.0  # idle sessions are closed after this
+    max_message_mb: int = 512
+    drain_s: float = 5.0  # NOT_SERVING but still answering, so load balancers move away
+    grace_s: float = 10.0  # then in-flight calls get this long to finish
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port}: out of range")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("the auth token is empty")
+        if self.session_ttl_s <= 0 or not 1 <= self.max_message_mb < 2048:
+            raise ValueError("session_ttl_s must be > 0 and max_message_mb in [1, 2047]")
+        if self.drain_s < 0 or self.grace_s < 0:
+            raise ValueError("drain_s and grace_s must be >= 0")
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls_cert is None:
+            return None
+        pair = (Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())
+        ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+# -- the engine behind a servicer -------------------------------------------------------
+def _run_before(deadline: float | None, fn: Callable, args: tuple) -> Any:
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlineExpiredError("the call's deadline passed while it waited for the engine")
+    return fn(*args)
+
+
+class EngineHost:
+    """Base of the thin servicers: the engine (absent until loaded), run on its own thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.engine: Any = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
+
+    def ready(self) -> Any:
+        if self.engine is None:
+            raise UnavailableError(f"{self.name}: the model is still loading")
+        return self.engine
+
+    async def run(self, context: grpc.aio.ServicerContext | None, method: str, *args: Any) -> Any:
+        """``engine.method(*args)`` on the engine thread, unless the deadline passes first."""
+        fn = getattr(self.ready(), method)
+        remaining = context.time_remaining() if context is not None else None
+        deadline = None if remaining is None else time.monotonic() + remaining
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, _run_before, deadline, fn, args)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+# -- auth, status codes and the log line: one interceptor -------------------------------
+def _session_of(request: Any) -> str:
+    if hasattr(request, "session_id"):
+        return request.session_id
+    return request.session.session_id if hasattr(request, "session") else ""
+
+
+class CallInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, auth_token: str | None) -> None:
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+
+    def _authorized(self, metadata) -> bool:
+        if self._expected is None:
+            return True
+        got = dict(metadata or ()).get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        return hmac.compare_digest(got, self._expected)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None or details.method.startswith(_OPEN_METHODS):
+            return handler
+        inner, method = handler.unary_unary, details.method
+        authorized = self._authorized(details.invocation_metadata)
+
+        async def call(request, context):
+            t0, code, message, out_bytes = time.perf_counter(), grpc.StatusCode.OK, "", 0
+            try:
+                if not authorized:
+                    raise UnauthenticatedError("missing or wrong bearer token (metadata 'authorization')")
+                response = await inner(request, context)
+                out_bytes = response.ByteSize()
+                return response
+            except asyncio.CancelledError:  # the client left or its deadline passed
+                code, message = grpc.StatusCode.CANCELLED, "cancelled"
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+                code, message = status_of(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed", method)
+                await context.abort(code, message)
+            finally:
+                log.info(json.dumps({
+                    "event": "call", "method": method, "code": code.name,
+                    "ms": round(1e3 * (time.perf_counter() - t0), 2), "session": _session_of(request),
+                    "peer": context.peer(), "bytes_in": request.ByteSize(), "bytes_out": out_bytes,
+                    **({"error": message} if message else {}),
+                }))
+
+        return grpc.unary_unary_rpc_method_handler(
+            call, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+# -- the server -------------------------------------------------------------------------
+class GrpcServer:
+    """One service (its servicer is an ``EngineHost``) + health + reflection."""
+
+    def __init__(
+        self, config: ServerConfig, servicer: EngineHost, add_to_server: Callable, service_name: str
+    ) -> None:
+        self.config, self.servicer = config, servicer
+        self.add_to_server, self.service_name = add_to_server, service_name
+        self.port = 0
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and serve, NOT_SERVING until ``attach``; returns the bound port."""
+        c = self.config
+        self.server = grpc.aio.server(
+            interceptors=[CallInterceptor(c.auth_token)], options=message_options(c.max_message_mb)
+        )
+        self.add_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        address = f"{c.host}:{c.port}"
+        creds = c.credentials()
+        if creds is not None:
+            port = self.server.add_secure_port(address, creds)
+        else:
+            port = self.server.add_insecure_port(address)
+        if not port:
+            raise OSError(f"cannot bind {address}")
+        self.port = port
+        await self.server.start()
+        for name in ("", self.service_name):
+            await self.health.set(name, NOT_SERVING)
+        log.info(json.dumps({"event": "listening", "service": self.service_name, "host": c.host,
+                             "port": port, "tls": creds is not None, "auth": bool(c.auth_token)}))
+        return port
+
+    async def attach(self, engine: Any) -> None:
+        """The engine is loaded: serve it, SERVING, and start the idle-session reaper."""
+        self.servicer.engine = engine
+        for name in ("", self.service_name):
+            await self.health.set(name, SERVING)
+        self._reaper = asyncio.create_task(self._reap())
+        log.info(json.dumps({"event": "serving", "service": self.service_name}))
+
+    async def load(self, loader: Callable[[], Any]) -> None:
+        engine = await asyncio.get_running_loop().run_in_executor(None, loader)
+        await self.attach(engine)
+
+    async def _reap(self) -> None:
+        ttl = self.config.session_ttl_s
+        while True:
+            await asyncio.sleep(min(ttl / 2, 30.0))
+            closed = await self.servicer.run(None, "close_idle", ttl)
+            if closed:
+                log.info(json.dumps({"event": "sessions_expired", "sessions": closed}))
+
+    async def drain(self) -> None:
+        """NOT_SERVING for ``drain_s`` (still answering), then stop with ``grace_s``."""
+        await self.health.enter_graceful_shutdown()
+        log.info(json.dumps({"event": "draining", "service": self.service_name}))
+        await asyncio.sleep(self.config.drain_s)
+        await self.stop(self.config.grace_s)
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.server.stop(grace)
+        self.servicer.shutdown()
+        log.info(json.dumps({"event": "stopped", "service": self.service_name}))
+
+
+async def serve_until_signal(server: GrpcServer, loader: Callable[[], Any]) -> None:
+    """Start, load the engine, serve; on SIGTERM / SIGINT drain and stop gracefully."""
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loading = asyncio.create_task(server.load(loader))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        stopping.cancel()
+        await server.stop(0)
+        raise loading.exception()
+    await stopping
+    loading.cancel()
+    await server.drain()

@@ -1,0 +1,150 @@
+"""``to_pb`` / ``from_pb`` for the messages both services share (``common.proto``).
+
+Everything read off the wire is checked here or by the engine it reaches; a malformed
+message raises ``InvalidArgumentError`` naming the field, never a crash further in.
+Tensors travel as raw little-endian row-major bytes + dtype + shape (KServe v2 style).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+import torch
+
+from presto_pb.v1 import common_pb2 as pb
+from presto_sd.acceptance import SamplingParams
+from presto_sd.builders import TreeParams
+from presto_sd.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.tree import TokenTree
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_NDIM = 8
+MAX_SESSION_ID = 256
+
+
+# -- tensors ----------------------------------------------------------------------------
+def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach().cpu().contiguous()
+    if t.dtype not in _NAMES:
+        raise ValueError(f"tensor dtype {t.dtype} has no wire name")
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return pb.Tensor(dtype=_NAMES[t.dtype], shape=list(t.shape), data=data)
+
+
+def tensor_from_pb(msg: pb.Tensor, field: str, floating: bool = False) -> torch.Tensor:
+    """A tensor from its wire form; ``field`` names it in errors (e.g. ``delta.features``)."""
+    dtype = DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise InvalidArgumentError(f"{field}.dtype = {msg.dtype!r}: not one of {', '.join(DTYPES)}")
+    if floating and not dtype.is_floating_point:
+        raise InvalidArgumentError(f"{field}.dtype = {msg.dtype!r}: a floating-point dtype is required")
+    shape = tuple(msg.shape)
+    if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+        raise InvalidArgumentError(f"{field}.shape = {list(shape)}: dims must be >= 0, at most {MAX_NDIM}")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise InvalidArgumentError(
+            f"{field}.data: {len(msg.data)} bytes, expected {expected} for {msg.dtype}{list(shape)}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# -- trees ------------------------------------------------------------------------------
+def tree_to_pb(tree: TokenTree) -> pb.TokenTree:
+    return pb.TokenTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths)
+
+
+def tree_from_pb(msg: pb.TokenTree, field: str = "tree") -> TokenTree:
+    """Shape checks only; the engine validates against its own limits (``TokenTree.validate``)."""
+    tokens, parents, depths = tuple(msg.tokens), tuple(msg.parents), tuple(msg.depths)
+    if not tokens:
+        raise InvalidArgumentError(f"{field}.tokens: empty tree (the root/anchor node is required)")
+    if len(parents) != len(tokens) or depths and len(depths) != len(tokens):
+        raise InvalidArgumentError(
+            f"{field}: tokens/parents/depths lengths differ ({len(tokens)}/{len(parents)}/{len(depths)})"
+        )
+    if not depths:
+        return TokenTree.from_lists(list(tokens), list(parents))
+    return TokenTree(tokens, parents, depths)
+
+
+# -- parameters -------------------------------------------------------------------------
+def _set_fields(msg, cls) -> dict:
+    """The dataclass fields the message sets (proto3 ``optional``); unset ones keep defaults."""
+    out = {}
+    for f in fields(cls):
+        desc = msg.DESCRIPTOR.fields_by_name.get(f.name)
+        if desc is None:
+            continue
+        if desc.is_repeated:
+            if len(getattr(msg, f.name)):
+                out[f.name] = tuple(getattr(msg, f.name))
+        elif msg.HasField(f.name):
+            out[f.name] = getattr(msg, f.name)
+    return out
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(**_set_fields(msg, SamplingParams))
+    except ValueError as e:  # the dataclass names the field: "sampling.top_p = ..."
+        raise InvalidArgumentError(str(e)) from None
+
+
+def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
+    return pb.TreeParams(
+        method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
+        lambdas=p.lambdas, rho=p.rho, top_k=p.top_k,
+    )
+
+
+def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
+    kwargs = _set_fields(msg, TreeParams)
+    if any(not math.isfinite(lam) for lam in kwargs.get("lambdas", ())):
+        raise InvalidArgumentError(f"tree.lambdas = {kwargs['lambdas']}: must be finite")
+    try:
+        return TreeParams(**kwargs)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+# -- sessions and feature deltas --------------------------------------------------------
+def session_id_from(session_id: str, field: str = "session_id") -> str:
+    if not session_id or len(session_id) > MAX_SESSION_ID:
+        raise InvalidArgumentError(f"{field}: must be 1..{MAX_SESSION_ID} characters")
+    return session_id
+
+
+def session_ref_to_pb(session_id: str, base: int) -> pb.SessionRef:
+    return pb.SessionRef(session_id=session_id, base=base)
+
+
+def session_ref_from_pb(msg: pb.SessionRef) -> tuple[str, int]:
+    if msg.base < 0:
+        raise InvalidArgumentError(f"session.base = {msg.base}: must be >= 0")
+    return session_id_from(msg.session_id, "session.session_id"), msg.base
+
+
+def delta_to_pb(d: FeatureDelta) -> pb.FeatureDelta:
+    return pb.FeatureDelta(start=d.start, tokens=d.tokens, features=tensor_to_pb(d.features))
+
+
+def delta_from_pb(msg: pb.FeatureDelta, field: str = "delta") -> FeatureDelta:
+    if msg.start < 0:
+        raise InvalidArgumentError(f"{field}.start = {msg.start}: must be >= 0")
+    if not msg.HasField("features"):
+        raise InvalidArgumentError(f"{field}.features: missing")
+    features = tensor_from_pb(msg.features, f"{field}.features", floating=True)
+    return FeatureDelta(msg.start, tuple(msg.tokens), features)  # checks the shape

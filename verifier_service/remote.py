@@ -1,0 +1,87 @@
+"""``RemoteVerifier``: the ``Verifier`` interface over gRPC, so the loop runs unchanged.
+
+Status codes come back as the named errors of ``presto_sd.messages``; a server that is
+away or too slow raises ``VerifierUnavailableError`` (the loop then waits and re-prefills).
+"""
+
+from __future__ import annotations
+
+from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from presto_sd.acceptance import SamplingParams
+from presto_sd.messages import SessionNotFoundError, VerifierUnavailableError
+from presto_sd.rpc.client import ClientConfig, RpcClient
+from presto_sd.rpc.wire import sampling_to_pb, session_ref_to_pb, tree_to_pb
+from presto_sd.tree import TokenTree
+from verifier_service import wire
+from verifier_service.engine import PrefillResult, Verifier, VerifierInfo, VerifyResult
+
+
+class RemoteVerifier(Verifier):
+    def __init__(
+        self,
+        address: str,
+        config: ClientConfig | None = None,
+        timeout_s: float = 60.0,  # per call: a verify of the largest tree, with queueing
+        prefill_timeout_s: float = 300.0,  # a long prompt
+    ) -> None:
+        self.rpc = RpcClient(address, config or ClientConfig(), VerifierUnavailableError)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.rpc.channel)
+        self.timeout_s, self.prefill_timeout_s = timeout_s, prefill_timeout_s
+        self._anchors: dict[str, int] = {}  # pending anchor per session, from the last answer
+        self._info: VerifierInfo | None = None
+
+    def info(self) -> VerifierInfo:
+        if self._info is None:
+            msg = self.rpc.call(self.stub.Info, common_pb2.InfoRequest(), self.timeout_s)
+            self._info = wire.info_from_pb(msg)
+        return self._info
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.info().eos_token_ids
+
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+    ) -> PrefillResult:
+        request = verifier_pb2.VerifierPrefillRequest(
+            session_id=session_id, token_ids=token_ids, sampling=sampling_to_pb(sampling), anchor=anchor
+        )
+        res = wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
+        self._anchors[session_id] = res.anchor
+        return res
+
+    def verify(
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+    ) -> VerifyResult:
+        request = verifier_pb2.VerifyRequest(
+            session=session_ref_to_pb(session_id, base), tree=tree_to_pb(tree),
+            want_node_probs=want_node_probs,
+        )
+        return self._committed(session_id, self.rpc.call(self.stub.Verify, request, self.timeout_s))
+
+    def step(self, session_id: str, base: int) -> VerifyResult:
+        request = verifier_pb2.StepRequest(session=session_ref_to_pb(session_id, base))
+        return self._committed(session_id, self.rpc.call(self.stub.Step, request, self.timeout_s))
+
+    def _committed(self, session_id: str, msg: verifier_pb2.VerifyResponse) -> VerifyResult:
+        res = wire.verify_result_from_pb(msg)
+        self._anchors[session_id] = res.bonus
+        return res
+
+    def anchor(self, session_id: str) -> int:
+        """The pending anchor as of this client's last call on the session."""
+        if session_id not in self._anchors:
+            raise SessionNotFoundError(f"session {session_id!r} was not opened by this client")
+        return self._anchors[session_id]
+
+    def close(self, session_id: str) -> None:
+        self._anchors.pop(session_id, None)
+        self.rpc.call(self.stub.Close, common_pb2.CloseRequest(session_id=session_id), self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Close the channel (the sessions stay until closed or expired)."""
+        self.rpc.close()

@@ -1,0 +1,55 @@
+"""``to_pb`` / ``from_pb`` for the verifier's own messages (``verifier.proto``)."""
+
+from __future__ import annotations
+
+from presto_pb.v1 import verifier_pb2 as pb
+from presto_sd.rpc.wire import delta_from_pb, delta_to_pb, tensor_from_pb, tensor_to_pb
+from presto_sd.tree import TreeLimits
+from verifier_service.engine import PrefillResult, VerifierInfo, VerifierLimits, VerifyResult
+
+
+def prefill_result_to_pb(r: PrefillResult) -> pb.VerifierPrefillResponse:
+    return pb.VerifierPrefillResponse(anchor=r.anchor, delta=delta_to_pb(r.delta), base=r.base)
+
+
+def prefill_result_from_pb(msg: pb.VerifierPrefillResponse) -> PrefillResult:
+    return PrefillResult(anchor=msg.anchor, delta=delta_from_pb(msg.delta), base=msg.base)
+
+
+def verify_result_to_pb(r: VerifyResult) -> pb.VerifyResponse:
+    msg = pb.VerifyResponse(
+        accepted=r.accepted, bonus=r.bonus, delta=delta_to_pb(r.delta), base=r.base,
+        accepted_nodes=r.accepted_nodes,
+    )
+    if r.node_probs is not None:
+        msg.node_probs.CopyFrom(tensor_to_pb(r.node_probs.float()))
+    return msg
+
+
+def verify_result_from_pb(msg: pb.VerifyResponse) -> VerifyResult:
+    node_probs = tensor_from_pb(msg.node_probs, "node_probs") if msg.HasField("node_probs") else None
+    return VerifyResult(
+        accepted=tuple(msg.accepted), bonus=msg.bonus, delta=delta_from_pb(msg.delta), base=msg.base,
+        node_probs=node_probs, accepted_nodes=tuple(msg.accepted_nodes),
+    )
+
+
+def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:
+    limits = pb.VerifierLimits(
+        max_sessions=i.limits.max_sessions, max_context=i.limits.max_context,
+        max_tree_nodes=i.limits.tree.max_nodes, max_tree_depth=i.limits.tree.max_depth,
+    )
+    return pb.VerifierInfo(
+        model=i.model, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
+        eos_token_ids=i.eos_token_ids, target_layer_ids=i.target_layer_ids, limits=limits,
+    )
+
+
+def info_from_pb(msg: pb.VerifierInfo) -> VerifierInfo:
+    lim = msg.limits
+    tree = TreeLimits(lim.max_tree_nodes, lim.max_tree_depth, msg.vocab_size)
+    return VerifierInfo(
+        model=msg.model, dtype=msg.dtype, device=msg.device, vocab_size=msg.vocab_size,
+        eos_token_ids=tuple(msg.eos_token_ids), target_layer_ids=tuple(msg.target_layer_ids),
+        limits=VerifierLimits(lim.max_sessions, lim.max_context, tree),
+    )
