@@ -7,7 +7,8 @@
             drafter.commit(delta)        # n += k + 1; b = b'
 
 It yields tokens as they commit and records per-round stats. ``method="ar"`` runs plain
-AR steps on the verifier: the baseline every method is compared with.
+AR steps on the verifier: the baseline every method is compared with. Engine faults
+(a drafter down, a verifier restarted) are absorbed by the links of ``faults.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from drafter_service.engine import Drafter
+from orchestrator.faults import DrafterLink, FaultPolicy, VerifierLink
 from presto_sd.acceptance import SamplingParams
 from presto_sd.builders import TreeParams
 from verifier_service.engine import Verifier
@@ -31,6 +33,7 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    faults: FaultPolicy = field(default_factory=FaultPolicy)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -117,13 +120,12 @@ def stream_generate(
         raise ValueError(f"method {params.method!r} needs a drafter")
     sid = session_id or uuid.uuid4().hex
     stopper = _Stopper(params, detokenize)
-    speculative = params.method != "ar"
-    pre = verifier.prefill(sid, list(prompt_ids), params.sampling)
-    drafter_open = False
+    target = VerifierLink(verifier, sid, params.sampling, params.faults)
+    draft = DrafterLink(drafter, sid, params.faults) if params.method != "ar" else None
+    pre = target.prefill(list(prompt_ids))
     try:
-        if speculative:
-            drafter.prefill(sid, pre.delta)
-            drafter_open = True
+        if draft is not None:
+            draft.prefill(pre.delta)
         anchor, base = pre.anchor, pre.base
         yield TokenChunk(stopper.accept((anchor,)), None, stopper.finish_reason)
         tree_params = replace(params.tree, method=params.method)
@@ -131,26 +133,24 @@ def stream_generate(
             # the bonus token adds one: never draft deeper than the output can still use
             depth = min(tree_params.depth, stopper.remaining - 1)
             t0 = time.perf_counter()
-            if not speculative or depth < 1:
-                res, draft_s, build_s, size = verifier.step(sid, base), 0.0, 0.0, 0
-                t1 = time.perf_counter()
-            else:
+            d = None  # no tree (AR, the last token, or the drafter is away): one AR step
+            if draft is not None and depth >= 1:
                 tp = tree_params if depth == tree_params.depth else replace(tree_params, depth=depth)
-                d = drafter.draft(sid, anchor, base, tp)
-                t1 = time.perf_counter()
-                draft_s, build_s, size = t1 - t0, d.build_s, d.tree.size
-                res = verifier.verify(sid, base, d.tree)
+                d = draft.draft(anchor, base, tp)
+            t1 = time.perf_counter()
+            res = target.verify(base, d.tree if d is not None else None)
             t2 = time.perf_counter()
-            if speculative:
-                drafter.commit(sid, res.delta)
+            if draft is not None:
+                draft.commit(res.delta)
             t3 = time.perf_counter()
             anchor, base = res.bonus, res.base
-            stats = RoundStats(len(res.accepted), size, draft_s, build_s, t2 - t1, t3 - t2)
+            size, build_s = (d.tree.size, d.build_s) if d is not None else (0, 0.0)
+            stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2)
             yield TokenChunk(stopper.accept(res.new_tokens), stats, stopper.finish_reason)
     finally:
-        _close_quietly(verifier, sid)
-        if drafter_open:
-            _close_quietly(drafter, sid)
+        target.close()
+        if draft is not None:
+            draft.close()
 
 
 def generate(
@@ -174,11 +174,3 @@ def generate(
         finish = chunk.finish_reason or finish
     total = time.perf_counter() - t0
     return GenerationResult(tokens, rounds, finish, prefill_s, total - prefill_s)
-
-
-def _close_quietly(engine, sid: str) -> None:
-    try:
-        engine.close(sid)
-    except Exception:  # noqa: BLE001 - closing is best effort; the session may be gone
-        pass
-
