@@ -1,6 +1,8 @@
 """``presto-sd``: the command line.
 
     presto-sd generate "PROMPT" [--method presto-beam] [--budget 32] [--json]
+    presto-sd generate "PROMPT" --drafter-addr HOST:PORT --verifier-addr HOST:PORT
+    presto-sd serve drafter|verifier --port P
     presto-sd models fetch
     presto-sd train gen-data | drafter | acceptance
 """
@@ -11,6 +13,8 @@ import argparse
 import json
 import sys
 import time
+
+from presto_sd.rpc import cli as rpc_cli
 
 METHOD_CHOICES = ("ar", "linear", "marginal", "presto-beam", "presto-best-first")
 
@@ -48,13 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt (embedded: no gRPC, no Ray)",
+    gen = sub.add_parser("generate", help="generate text for one prompt (embedded, or remote engines)",
                          description="Speculative decoding of PROMPT; output is identical to plain "
                                      "AR decoding of the target (greedy) or distributed as it (sampling).")
     gen.add_argument("prompt")
     gen.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_generation_args(gen)
+    rpc_cli.add_remote_args(gen)
 
     models = sub.add_parser("models", help="manage target models")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -63,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from presto_sd.training import cli as train_cli
 
     train_cli.register(sub)
+    rpc_cli.register(sub)
     return parser
 
 
@@ -103,7 +109,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    stack = build_embedded(args.target, args.drafter)
+    if args.verifier_addr or args.drafter_addr:
+        stack = rpc_cli.remote_stack(args)
+    else:
+        stack = build_embedded(args.target, args.drafter)
     tok = stack.tokenizer
     params = generation_params(args, stack.verifier.eos_token_ids, stack.presto_defaults)
     prompt_ids = encode_prompt(tok, args.prompt, not args.no_chat)
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from presto_sd.training import cli as train_cli
 
-    handlers = {"generate": cmd_generate, "models": cmd_models, "train": train_cli.run}
+    handlers = {"generate": cmd_generate, "models": cmd_models, "train": train_cli.run, "serve": rpc_cli.run}
     return handlers[args.command](args)
 
 

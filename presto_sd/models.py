@@ -107,23 +107,32 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def _target_source(spec: str | None) -> tuple[str | Path, dict]:
+    """Where ``from_pretrained`` finds a target spec, and the kwargs it needs."""
+    spec = spec or DEFAULT_TARGET
+    if spec == DEFAULT_TARGET:
+        return fetch_smollm2(), {}
+    if spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF {spec} not found")
+        return path.parent, {"gguf_file": path.name}
+    return spec, {}  # a local dir or a hub id (needs a reachable hub)
+
+
+def load_tokenizer(spec: str | None = None) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone (a client of a remote verifier needs no weights)."""
+    src, kwargs = _target_source(spec)
+    return AutoTokenizer.from_pretrained(src, **kwargs)
+
+
 def load_target(
     spec: str | None = None, device: torch.device | None = None, dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from ``smollm2``, a local dir, a ``.gguf`` file or a hub id."""
-    spec = spec or DEFAULT_TARGET
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    kwargs: dict = {}
-    if spec == DEFAULT_TARGET:
-        src: str | Path = fetch_smollm2()
-    elif spec.endswith(".gguf"):
-        path = Path(spec)
-        if not path.is_file():
-            raise FileNotFoundError(f"target GGUF {spec} not found")
-        src, kwargs = path.parent, {"gguf_file": path.name}
-    else:
-        src = spec  # a local dir or a hub id (needs a reachable hub)
+    src, kwargs = _target_source(spec)
     tok = AutoTokenizer.from_pretrained(src, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kwargs).to(device).eval()
     return model, tok
