@@ -5,6 +5,7 @@
     presto-sd serve drafter|verifier --port P
     presto-sd models fetch
     presto-sd train gen-data | drafter | acceptance
+    presto-sd bench [--datasets gsm8k,humaneval,mtbench] [--methods ...] [--budgets 8,16,32] --out DIR
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     from presto_sd.training import cli as train_cli
 
     train_cli.register(sub)
+    from presto_sd.bench import cli as bench_cli
+
+    bench_cli.register(sub)
     rpc_cli.register(sub)
     return parser
 
@@ -164,6 +168,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from presto_sd.bench import cli as bench_cli
+
+        return bench_cli.run(args)
     from presto_sd.training import cli as train_cli
 
     handlers = {"generate": cmd_generate, "models": cmd_models, "train": train_cli.run, "serve": rpc_cli.run}
