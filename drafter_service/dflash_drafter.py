@@ -149,6 +149,8 @@ class DFlashDrafter(Drafter):
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
         s = self._session(session_id)
         check_base(session_id, s.base, delta.start)
+        if not delta.tokens:
+            raise InvalidArgumentError("commit.delta.tokens: empty (a round commits at least its anchor)")
         self._check_delta(delta)
         new = self._context_kv(delta)
         s.ctx_kv = [

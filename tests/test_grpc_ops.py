@@ -1,0 +1,311 @@
+"""Operating the services: health and drain, deadlines, TLS and tokens, the TTL, and
+faults mid-generation (a drafter killed or slow, a verifier restarted): output == AR."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_service.dflash_drafter import DFlashDrafter
+from drafter_service.remote import RemoteDrafter
+from orchestrator.faults import FaultPolicy
+from orchestrator.generate import GenerationParams, stream_generate
+from presto_sd.builders import TreeParams
+from presto_sd.messages import (
+    DrafterUnavailableError,
+    FeatureDelta,
+    SessionNotFoundError,
+    UnauthenticatedError,
+    VerifierUnavailableError,
+)
+from presto_sd.rpc.client import ClientConfig, make_channel
+from presto_sd.rpc.server import NOT_SERVING, SERVING, ServerConfig
+from tests.conftest import hf_greedy, make_engines, tiny_drafter_model
+from tests.rpc_util import LocalServer, make_pki, submit
+from verifier_service.hf_verifier import HFVerifier
+from verifier_service.remote import RemoteVerifier
+
+PROMPT = [0, 3, 5, 7]
+FAST_RETRY = FaultPolicy(drafter_retry_s=0.02, drafter_retry_max_s=0.1, verifier_retry_s=0.05)
+
+
+def _verifier(target) -> HFVerifier:
+    return HFVerifier(target, (0, 2), name="tiny-llama")
+
+
+def _drafter(target) -> DFlashDrafter:
+    return make_engines(target, tiny_drafter_model(target))[1]  # same seed: same weights
+
+
+def _health(address: str, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(make_channel(address))
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+# -- health, reflection, drain ----------------------------------------------------------
+def test_health_not_serving_before_load_and_while_draining(tiny_target):
+    server = LocalServer("verifier", ServerConfig(drain_s=1.0, grace_s=0.0)).start()  # no engine yet
+    remote = RemoteVerifier(server.address, timeout_s=5)
+    drained = False
+    try:
+        assert _health(server.address) == _health(server.address, "presto.v1.VerifierService") == NOT_SERVING
+        with pytest.raises(VerifierUnavailableError, match="still loading"):
+            remote.prefill("s", [1, 2])
+        server.attach(_verifier(tiny_target))
+        assert _health(server.address) == SERVING
+        remote.prefill("s", [1, 2])
+
+        from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+            ProtoReflectionDescriptorDatabase,
+        )
+        services = ProtoReflectionDescriptorDatabase(make_channel(server.address)).get_services()
+        assert "presto.v1.VerifierService" in services and "grpc.health.v1.Health" in services
+
+        draining = submit(server.server.drain())
+        time.sleep(0.3)
+        assert _health(server.address) == NOT_SERVING
+        assert remote.step("s", 2).base == 3  # still answering while the balancers move away
+        draining.result(10)
+        drained = True
+        with pytest.raises(VerifierUnavailableError):
+            remote.step("s", 3)
+    finally:
+        remote.shutdown()
+        if not drained:
+            server.stop()
+
+
+def test_idle_sessions_expire(tiny_target):
+    server = LocalServer("verifier", ServerConfig(session_ttl_s=0.2, drain_s=0, grace_s=0))
+    server.start(_verifier(tiny_target))
+    remote = RemoteVerifier(server.address, timeout_s=5)
+    try:
+        remote.prefill("idle", [1, 2])
+        time.sleep(0.6)
+        with pytest.raises(SessionNotFoundError, match="idle"):
+            remote.step("idle", 2)
+    finally:
+        remote.shutdown()
+        server.stop()
+
+
+# -- deadlines --------------------------------------------------------------------------
+class SlowDrafter:
+    """Proxy: ``draft`` sleeps ``delay`` seconds first; everything else passes through."""
+
+    def __init__(self, inner, delay: float = 0.0) -> None:
+        self.inner, self.delay = inner, delay
+
+    def draft(self, *args):
+        time.sleep(self.delay)
+        return self.inner.draft(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_deadline_exceeded_is_reported_not_hung_and_not_run_late(tiny_target):
+    inner = _drafter(tiny_target)
+    slow = SlowDrafter(inner, delay=0.8)
+    server = LocalServer("drafter").start(slow)
+    remote = RemoteDrafter(server.address, timeout_s=0.2)
+    width = len(inner.config.target_layer_ids) * inner.config.hidden_size
+    try:
+        import torch
+
+        remote.prefill("d", FeatureDelta(0, (1, 2), torch.zeros(2, width)))
+        t0 = time.perf_counter()
+        with pytest.raises(DrafterUnavailableError, match="DEADLINE_EXCEEDED"):
+            remote.draft("d", 3, 2, TreeParams("linear"))
+        assert time.perf_counter() - t0 < 0.7  # reported at the deadline, not when the engine is done
+        # a commit queued behind the slow draft misses its deadline: it must not run later
+        with pytest.raises(DrafterUnavailableError, match="DEADLINE_EXCEEDED"):
+            remote.commit("d", FeatureDelta(2, (3,), torch.zeros(1, width)))
+        time.sleep(1.0)
+        assert inner.sessions["d"].base == 2
+        slow.delay, remote.timeout_s = 0.0, 10.0
+        assert remote.commit("d", FeatureDelta(2, (3,), torch.zeros(1, width))) == 3
+    finally:
+        remote.shutdown()
+        server.stop()
+
+
+# -- TLS and tokens ---------------------------------------------------------------------
+def test_tls_and_mutual_tls(tmp_path, tiny_target):
+    pki = make_pki(tmp_path)
+    engine = _verifier(tiny_target)
+    tls = ServerConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"], drain_s=0, grace_s=0)
+    server = LocalServer("verifier", tls).start(engine)
+    try:
+        assert RemoteVerifier(server.address, ClientConfig(tls_ca=pki["ca.pem"])).info().vocab_size == 16
+        for wrong in (ClientConfig(tls_ca=pki["other_ca.pem"]), ClientConfig()):  # untrusted; plaintext
+            with pytest.raises(VerifierUnavailableError):
+                RemoteVerifier(server.address, wrong, timeout_s=5).info()
+    finally:
+        server.stop()
+    mtls = LocalServer("verifier", ServerConfig(
+        tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_client_ca=pki["ca.pem"], drain_s=0,
+    )).start(engine)
+    try:
+        with_cert = ClientConfig(tls_ca=pki["ca.pem"], tls_cert=pki["client.pem"], tls_key=pki["client.key"])
+        assert RemoteVerifier(mtls.address, with_cert).info().vocab_size == 16
+        with pytest.raises(VerifierUnavailableError):
+            RemoteVerifier(mtls.address, ClientConfig(tls_ca=pki["ca.pem"]), timeout_s=5).info()
+    finally:
+        mtls.stop()
+
+
+def test_token_auth(tiny_target):
+    config = ServerConfig(auth_token="s3cret-token", drain_s=0, grace_s=0)
+    server = LocalServer("verifier", config).start(_verifier(tiny_target))
+    try:
+        assert RemoteVerifier(server.address, ClientConfig(auth_token="s3cret-token")).info().vocab_size == 16
+        for wrong in (ClientConfig(auth_token="guess"), ClientConfig()):
+            with pytest.raises(UnauthenticatedError, match="bearer token"):
+                RemoteVerifier(server.address, wrong).info()
+        assert _health(server.address) == SERVING  # probes need no token
+    finally:
+        server.stop()
+
+
+# -- faults mid-generation --------------------------------------------------------------
+def _servers(target, drafter_engine=None) -> tuple[LocalServer, LocalServer]:
+    drafter_engine = drafter_engine or _drafter(target)
+    return LocalServer("verifier").start(_verifier(target)), LocalServer("drafter").start(drafter_engine)
+
+
+def _params(n: int) -> GenerationParams:
+    return GenerationParams(method="marginal", tree=TreeParams("marginal", budget=16, depth=8),
+                            max_new_tokens=n, faults=FAST_RETRY)
+
+
+def test_drafter_killed_mid_generation_then_back(tiny_target):
+    vs, ds = _servers(tiny_target)
+    remote_v, remote_d = RemoteVerifier(vs.address), RemoteDrafter(ds.address, timeout_s=2)
+    tokens, rounds, phase = [], {"up": [], "down": [], "back": []}, "up"
+    try:
+        for i, chunk in enumerate(stream_generate(remote_v, remote_d, PROMPT, _params(48))):
+            tokens.extend(chunk.tokens)
+            if chunk.round is not None:
+                rounds[phase].append(chunk.round.tree_size)
+            if i == 3:
+                ds.stop()
+                phase = "down"
+            elif i == 9:
+                ds.start(_drafter(tiny_target))  # a new process: our session is gone there
+                grpc.channel_ready_future(remote_d.rpc.channel).result(timeout=10)
+                phase = "back"
+        assert tokens == hf_greedy(tiny_target, PROMPT, 48)
+        assert all(s > 0 for s in rounds["up"]) and rounds["down"] and all(s == 0 for s in rounds["down"])
+        assert any(s > 0 for s in rounds["back"])  # speculation resumed on the re-prefilled drafter
+    finally:
+        remote_v.shutdown()
+        remote_d.shutdown()
+        vs.stop()
+        ds.stop()
+
+
+def test_slow_drafter_falls_back_to_ar_steps(tiny_target):
+    slow = SlowDrafter(_drafter(tiny_target), delay=0.4)
+    vs, ds = _servers(tiny_target, slow)
+    remote_v, remote_d = RemoteVerifier(vs.address), RemoteDrafter(ds.address, timeout_s=0.1)
+    tokens, late = [], []
+    try:
+        for i, chunk in enumerate(stream_generate(remote_v, remote_d, PROMPT, _params(24))):
+            tokens.extend(chunk.tokens)
+            if i == 4:
+                slow.delay = 0.0
+                time.sleep(0.5)
+            if i > 4 and chunk.round is not None:
+                late.append(chunk.round.tree_size)
+        assert tokens == hf_greedy(tiny_target, PROMPT, 24)
+        assert any(s > 0 for s in late)
+    finally:
+        remote_v.shutdown()
+        remote_d.shutdown()
+        vs.stop()
+        ds.stop()
+
+
+def test_verifier_restarted_mid_generation(tiny_target):
+    vs, ds = _servers(tiny_target)
+    remote_v, remote_d = RemoteVerifier(vs.address, timeout_s=5), RemoteDrafter(ds.address)
+    tokens, restarted = [], _verifier(tiny_target)
+    try:
+        for i, chunk in enumerate(stream_generate(remote_v, remote_d, PROMPT, _params(40))):
+            tokens.extend(chunk.tokens)
+            if i == 4:  # down for half a second, back without our session
+                vs.stop()
+                threading.Timer(0.5, lambda: vs.start(restarted)).start()
+        assert tokens == hf_greedy(tiny_target, PROMPT, 40)
+        assert not restarted.sessions  # the re-prefilled session was closed at the end
+    finally:
+        remote_v.shutdown()
+        remote_d.shutdown()
+        vs.stop()
+        ds.stop()
+
+
+# -- the real target, through the CLI, with real processes ------------------------------
+def _spawn(kind: str) -> tuple[subprocess.Popen, queue.Queue]:
+    cmd = [sys.executable, "-m", "presto_sd.cli", "serve", kind, "--port", "0", "--drafter", "random",
+           "--threads", "1", "--drain-s", "0.5", "--grace-s", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    return proc, lines
+
+
+def _wait_for(lines: queue.Queue, event: str, timeout: float = 180.0) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if line.startswith("{") and json.loads(line).get("event") == event:
+            return json.loads(line)
+    raise TimeoutError(f"no {event!r} event")
+
+
+@pytest.mark.smollm2
+def test_smollm2_over_grpc_with_real_servers(capsys):
+    import torch
+
+    from presto_sd import cli
+    from presto_sd.models import eos_token_ids, load_target
+
+    servers = {kind: _spawn(kind) for kind in ("verifier", "drafter")}
+    try:
+        ports = {kind: _wait_for(lines, "listening")["port"] for kind, (_, lines) in servers.items()}
+        for _, lines in servers.values():
+            _wait_for(lines, "serving")
+        model, tok = load_target(device=torch.device("cpu"))
+        eos = set(eos_token_ids(model, tok))
+        text = "Write a Python function that reverses a string."
+        prompt = cli.encode_prompt(tok, text, chat=True)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):]
+        capsys.readouterr()
+        cli.main(["generate", text, "--max-new-tokens", "32", "--json",
+                  "--verifier-addr", f"127.0.0.1:{ports['verifier']}",
+                  "--drafter-addr", f"127.0.0.1:{ports['drafter']}"])
+        out = json.loads(capsys.readouterr().out)
+        expected = ref.tolist()
+        cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
+        assert out["token_ids"] == expected[:cut] and out["drafter"] == "random"
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, lines in servers.values():
+            assert proc.wait(timeout=30) == 0
+            _wait_for(lines, "stopped", timeout=5)

@@ -1,0 +1,95 @@
+"""Wire conversions: round trips, and malformed messages refused with the field named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from presto_pb.v1 import common_pb2 as pb
+from presto_sd.acceptance import SamplingParams
+from presto_sd.builders import TreeParams
+from presto_sd.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.rpc import wire
+from presto_sd.tree import TokenTree
+
+
+@pytest.mark.parametrize("dtype", list(wire.DTYPES.values()))
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 5), (2, 0, 3)])
+def test_tensor_round_trip(dtype, shape):
+    t = (torch.randn(shape) * 50).to(dtype)
+    back = wire.tensor_from_pb(pb.Tensor.FromString(wire.tensor_to_pb(t).SerializeToString()), "x")
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("msg,needle", [
+    (pb.Tensor(dtype="float8", shape=[1], data=b"\0"), "x.dtype = 'float8'"),
+    (pb.Tensor(dtype="float32", shape=[2, 3], data=b"\0" * 20), "x.data: 20 bytes, expected 24"),
+    (pb.Tensor(dtype="float32", shape=[-1], data=b""), "x.shape"),
+    (pb.Tensor(dtype="int64", shape=[1], data=b"\0" * 8), "floating-point"),
+    (pb.Tensor(dtype="float32", shape=[1] * 9, data=b"\0" * 4), "x.shape"),
+])
+def test_bad_tensors_name_the_field(msg, needle):
+    with pytest.raises(InvalidArgumentError) as e:
+        wire.tensor_from_pb(msg, "x", floating=True)
+    assert needle in str(e.value)
+
+
+def test_tree_round_trip_and_derived_depths():
+    tree = TokenTree.from_lists([5, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
+    assert wire.tree_from_pb(wire.tree_to_pb(tree)) == tree
+    assert wire.tree_from_pb(pb.TokenTree(tokens=tree.tokens, parents=tree.parents)) == tree
+
+
+@pytest.mark.parametrize("msg,needle", [
+    (pb.TokenTree(), "tree.tokens: empty"),
+    (pb.TokenTree(tokens=[1], parents=[-1, 0, 1]), "lengths differ"),
+    (pb.TokenTree(tokens=[1, 2], parents=[-1, 0], depths=[0]), "lengths differ"),
+])
+def test_bad_trees_name_the_field(msg, needle):
+    with pytest.raises(InvalidArgumentError) as e:
+        wire.tree_from_pb(msg)
+    assert needle in str(e.value)
+
+
+def test_params_round_trip_and_defaults():
+    s = SamplingParams(0.7, 0.9, 5, seed=3)
+    assert wire.sampling_from_pb(wire.sampling_to_pb(s)) == s
+    assert wire.sampling_from_pb(pb.SamplingParams()) == SamplingParams()
+    p = TreeParams("marginal", 7, 4, branching=2, beam=3, lambdas=(0.5, 1.0), rho="constant", top_k=4)
+    assert wire.tree_params_from_pb(wire.tree_params_to_pb(p)) == p
+    assert wire.tree_params_from_pb(pb.TreeParams()) == TreeParams()
+
+
+@pytest.mark.parametrize("msg,needle", [
+    (pb.SamplingParams(top_p=0.0), "sampling.top_p"),
+    (pb.SamplingParams(temperature=float("nan")), "sampling.temperature"),
+    (pb.SamplingParams(top_k=-1), "sampling.top_k"),
+])
+def test_bad_sampling_names_the_field(msg, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        wire.sampling_from_pb(msg)
+
+
+@pytest.mark.parametrize("msg,needle", [
+    (pb.TreeParams(budget=0), "tree.budget"),
+    (pb.TreeParams(lambdas=[float("inf")]), "tree.lambdas"),
+    (pb.TreeParams(beam=0), "tree.branching, tree.beam"),
+])
+def test_bad_tree_params_name_the_field(msg, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        wire.tree_params_from_pb(msg)
+
+
+def test_delta_round_trip_and_checks():
+    d = FeatureDelta(3, (1, 2), torch.randn(2, 8))
+    back = wire.delta_from_pb(wire.delta_to_pb(d))
+    assert back.start == 3 and back.tokens == (1, 2) and torch.equal(back.features, d.features)
+    with pytest.raises(InvalidArgumentError, match="delta.features: missing"):
+        wire.delta_from_pb(pb.FeatureDelta(start=0, tokens=[1]))
+    feats = wire.tensor_to_pb(torch.zeros(3, 2))
+    with pytest.raises(InvalidArgumentError, match="delta.start"):
+        wire.delta_from_pb(pb.FeatureDelta(start=-2, tokens=[1, 2, 3], features=feats))
+    with pytest.raises(InvalidArgumentError, match="does not match 2 tokens"):
+        wire.delta_from_pb(pb.FeatureDelta(start=0, tokens=[1, 2], features=feats))
+    with pytest.raises(InvalidArgumentError, match="session.session_id"):
+        wire.session_ref_from_pb(pb.SessionRef(session_id="", base=0))
