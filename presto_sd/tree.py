@@ -18,6 +18,10 @@ class TreeError(ValueError):
     """A malformed tree. The message names the offending field and node."""
 
 
+class TreeLimitError(TreeError):
+    """A tree over a verifier's node or depth limit (RESOURCE_EXHAUSTED on the wire)."""
+
+
 @dataclass(frozen=True)
 class TreeLimits:
     """What a verifier accepts: draft nodes (root excluded), depth, vocabulary."""
@@ -92,7 +96,7 @@ class TokenTree:
         if self.parents[0] != -1 or self.depths[0] != 0:
             raise TreeError("tree.parents[0]: the root must have parent -1 and depth 0")
         if n - 1 > limits.max_nodes:
-            raise TreeError(f"tree.tokens: {n - 1} draft nodes exceed the limit {limits.max_nodes}")
+            raise TreeLimitError(f"tree.tokens: {n - 1} draft nodes exceed the limit {limits.max_nodes}")
         for i in range(1, n):
             p = self.parents[i]
             if not 0 <= p < i:
@@ -105,7 +109,7 @@ class TokenTree:
                     f"= {self.depths[p] + 1}"
                 )
         if self.max_depth > limits.max_depth:
-            raise TreeError(f"tree.depths: depth {self.max_depth} exceeds the limit {limits.max_depth}")
+            raise TreeLimitError(f"tree.depths: depth {self.max_depth} exceeds the limit {limits.max_depth}")
         for i, t in enumerate(self.tokens):
             if t < 0 or (limits.vocab_size is not None and t >= limits.vocab_size):
                 raise TreeError(

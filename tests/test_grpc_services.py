@@ -108,6 +108,12 @@ def test_bad_verifier_input_gets_its_code(tiny_target, stack):
             tokens=[ok.anchor, 77], parents=[-1, 0])), CODE.INVALID_ARGUMENT, "tree.tokens[1] = 77"),
         (stub.Verify, verifier_pb2.VerifyRequest(session=ref, tree=common_pb2.TokenTree(
             tokens=[ok.anchor, 1], parents=[-1, 0], depths=[0, 2])), CODE.INVALID_ARGUMENT, "tree.depths[1]"),
+        (stub.Verify, verifier_pb2.VerifyRequest(session=ref, tree=common_pb2.TokenTree(
+            tokens=[ok.anchor] + [1] * 1025, parents=[-1] + [0] * 1025)), CODE.RESOURCE_EXHAUSTED,
+         "1025 draft nodes exceed the limit 1024"),
+        (stub.Verify, verifier_pb2.VerifyRequest(session=ref, tree=common_pb2.TokenTree(
+            tokens=[ok.anchor] + [1] * 65, parents=list(range(-1, 65)))), CODE.RESOURCE_EXHAUSTED,
+         "depth 65 exceeds the limit 64"),
         (stub.Close, common_pb2.CloseRequest(session_id="nope"), CODE.NOT_FOUND, "not found"),
     ]
     for method, request, code, needle in bad:

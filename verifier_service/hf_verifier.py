@@ -24,7 +24,7 @@ from presto_sd.messages import (
     check_base,
 )
 from presto_sd.models import cache_kwarg
-from presto_sd.tree import TokenTree, TreeError, tree_attention_mask
+from presto_sd.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
 from verifier_service.engine import (
     PrefillResult,
     Verifier,
@@ -179,6 +179,8 @@ class HFVerifier(Verifier):
         check_base(session_id, s.base, base)
         try:
             tree.validate(self.limits.tree)
+        except TreeLimitError as e:
+            raise LimitExceededError(str(e)) from None
         except TreeError as e:
             raise InvalidArgumentError(str(e)) from None
         if tree.tokens[0] != s.tokens[-1]:

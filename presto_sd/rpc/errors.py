@@ -24,7 +24,7 @@ from presto_sd.messages import (
     UnauthenticatedError,
     UnavailableError,
 )
-from presto_sd.tree import TreeError
+from presto_sd.tree import TreeError, TreeLimitError
 
 
 class DeadlineExpiredError(EngineError):
@@ -56,6 +56,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a server answers for an exception an engine (or a conversion) raised."""
     if isinstance(exc, EngineError):
         return grpc.StatusCode[exc.code], str(exc)
+    if isinstance(exc, TreeLimitError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, TreeError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
