@@ -1,7 +1,7 @@
 """What the generation loop does when an engine fails (DESIGN.md §3, Faults).
 
-- The drafter only proposes, so it may fail: while it is down, timing out, or restarted
-  without our session, ``DrafterLink.draft`` returns None and the round is a plain AR
+- The drafter only proposes, so it may fail: while it is down, timing out, full, or
+  restarted without our session, ``DrafterLink.draft`` returns None and the round is a plain AR
   ``step`` on the verifier (still lossless). The link keeps every feature delta of the
   request; when the drafter answers again it is caught up (the deltas it missed, or a
   fresh prefill from all of them) and speculation resumes.
@@ -25,12 +25,16 @@ from presto_sd.builders import TreeParams
 from presto_sd.messages import (
     DrafterUnavailableError,
     FeatureDelta,
+    LimitExceededError,
     SessionNotFoundError,
     StaleBaseError,
     VerifierUnavailableError,
 )
 from presto_sd.tree import TokenTree
 from verifier_service.engine import PrefillResult, Verifier, VerifyResult
+
+# down, too slow, or full (its session cap or context limit): go on without it for now
+_DRAFTER_AWAY = (DrafterUnavailableError, LimitExceededError)
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class DrafterLink:
             return self.drafter.draft(self.sid, anchor, base, params)
         except (SessionNotFoundError, StaleBaseError):  # restarted, or applied a call we saw fail
             self.lost, self.synced = True, 0
-        except DrafterUnavailableError:
+        except _DRAFTER_AWAY:
             self._back_off()
         return None
 
@@ -97,7 +101,7 @@ class DrafterLink:
                 self.drafter.prefill(self.sid, _concat(self.log))
                 self.lost, self.opened = False, True
             self.synced = len(self.log)
-        except DrafterUnavailableError:
+        except _DRAFTER_AWAY:
             self._back_off()
             return False
         self.wait = self.policy.drafter_retry_s
