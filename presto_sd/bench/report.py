@@ -96,7 +96,7 @@ def write_markdown(out: Path, rows: list[dict], meta: dict[str, Any], plots: Seq
         "",
         f"- command: `{meta['command']}`",
         f"- target: {meta['target']}; drafter: {meta['drafter']}",
-        f"- machine: {m['cpu']} ({m['cpu_count']} cores), {m['threads']} torch threads, {m['device']} "
+        f"- machine: {m['cpu']} ({m['cpu_count']} cores), torch threads {m['threads']}, {m['device']} "
         f"{m['dtype']}" + (f", {m['gpu']}" if "gpu" in m else ""),
         f"- torch {m['torch']}, transformers {m['transformers']}, {m['date']}",
         f"- {cfg['prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, temperature "
