@@ -111,3 +111,13 @@ def test_config_and_parser_errors():
     cfg = bench_config(args, (2,), {})
     assert cfg.budgets == (8, 16, 32) and cfg.methods == ("ar", "marginal")
     assert cfg.params.stop_token_ids == (2,) and cfg.params.max_new_tokens == 128
+
+
+def test_prompts_file_is_its_own_dataset(tmp_path):
+    from presto_sd.bench.cli import load_bench_prompts
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "one"}\n{"messages": [{"role": "user", "content": "two"}]}\n{"prompt": "3"}\n')
+    args = build_parser().parse_args(["bench", "--prompts-file", str(f), "--n", "2"])
+    prompts = load_bench_prompts(args)  # no --datasets: the file alone
+    assert [(p.dataset, p.turns[0]) for p in prompts] == [("mine", "one"), ("mine", "two")]
