@@ -45,7 +45,7 @@ class TrainConfig:
     anchors_per_seq: int = 16
     batch_seqs: int = 8
     steps: int = 1000
-    lr: float = 6e-4
+    lr: float = 1e-3
     warmup: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -66,8 +66,28 @@ def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: 
     return torch.tensor(ids[:size] if len(ids) >= size else ids, dtype=torch.long)
 
 
-def init_from_target(draft: DFlashDraftModel, target) -> None:
-    """Copy the target's last decoder layers and final norm into the drafter."""
+def feature_scales(seqs: list[Sequence], max_tokens: int = 20_000) -> torch.Tensor:
+    """Robust per-channel scale of the target features (median of |x|).
+
+    The residual stream has massive-activation channels (SmolLM2: one channel ~1000x the
+    median from layer 14 on); with ``fc`` unscaled, ``hidden_norm`` would leave nearly
+    all of the context's energy in that channel and the drafter would start blind.
+    """
+    rows, n = [], 0
+    for s in seqs:
+        rows.append(s.features[:-1].float())  # the last row is the never-fed zero row
+        n += len(rows[-1])
+        if n >= max_tokens:
+            break
+    return torch.cat(rows).abs().median(dim=0).values.clamp_min(1e-3)
+
+
+def init_from_target(draft: DFlashDraftModel, target, scales: torch.Tensor | None = None) -> None:
+    """Copy the target's last decoder layers and final norm into the drafter.
+
+    ``fc`` starts as the mean over feature layers of the identity, each input channel
+    divided by its robust scale (a whitening folded into the weights: same format).
+    """
     t_layers = target.get_decoder().layers
     k = len(draft.layers)
     with torch.no_grad():
@@ -79,9 +99,11 @@ def init_from_target(draft: DFlashDraftModel, target) -> None:
             d_layer.input_layernorm.weight.copy_(t_layer.input_layernorm.weight)
             d_layer.post_attention_layernorm.weight.copy_(t_layer.post_attention_layernorm.weight)
         draft.norm.weight.copy_(target.get_decoder().norm.weight)
-        h = draft.config.hidden_size
-        draft.fc.weight.normal_(0, 0.02 / math.sqrt(len(draft.config.target_layer_ids)))
-        draft.fc.weight[:, -h:] += torch.eye(h)  # start by passing the deepest feature layer
+        h, n_layers = draft.config.hidden_size, len(draft.config.target_layer_ids)
+        draft.fc.weight.normal_(0, 0.02 / math.sqrt(n_layers))
+        draft.fc.weight += torch.eye(h).repeat(1, n_layers) / n_layers
+        if scales is not None:
+            draft.fc.weight /= scales[None, :]
 
 
 def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: random.Random):
@@ -164,7 +186,7 @@ def train_drafter(cfg: TrainConfig) -> Path:
     dcfg["rope_parameters"] = dict(target.config.rope_parameters or {"rope_theta": 10000.0})
     model = DFlashDraftModel(DFlashConfig.from_dict(dcfg))
     if cfg.init_from_target:
-        init_from_target(model, target)
+        init_from_target(model, target, feature_scales(train))
     head = target.get_output_embeddings().weight.detach()[d2t]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
