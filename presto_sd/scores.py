@@ -103,17 +103,24 @@ class NGramRho:
 
 
 class HPhi(nn.Module):
-    """The learned acceptance predictor: a 2-layer MLP on node features -> logit of rho."""
+    """The learned acceptance predictor: a 2-layer MLP on node features -> logit of rho.
 
-    def __init__(self, hidden_size: int, embed_size: int, width: int = 256) -> None:
+    A linear path on the three scalar features (``log q``, entropy, depth) runs beside the
+    MLP, so h_phi starts from — and can never do much worse than — a calibrated ``q``.
+    """
+
+    def __init__(self, hidden_size: int, embed_size: int, width: int = 256, dropout: float = 0.1) -> None:
         super().__init__()
-        self.config = {"hidden_size": hidden_size, "embed_size": embed_size, "width": width}
+        self.config = {"hidden_size": hidden_size, "embed_size": embed_size, "width": width,
+                       "dropout": dropout}
         self.net = nn.Sequential(
-            nn.Linear(hidden_size + 2 * embed_size + 3, width), nn.SiLU(), nn.Linear(width, 1)
+            nn.Linear(hidden_size + 2 * embed_size + 3, width), nn.SiLU(), nn.Dropout(dropout),
+            nn.Linear(width, 1),
         )
+        self.scalar = nn.Linear(3, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net(features).squeeze(-1)
+        return (self.net(features) + self.scalar(features[..., -3:])).squeeze(-1)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -40,6 +40,7 @@ class AcceptanceConfig:
     ngram_min_count: int = 2
     epochs: int = 30
     seed: int = 0
+    keep_traces: bool = False  # also write traces.pt (tens of MB) beside the predictors
 
 
 @dataclass
@@ -132,16 +133,32 @@ def features_of(t: Traces, embed: torch.Tensor) -> torch.Tensor:
 
 
 def train_hphi(train: Traces, embed: torch.Tensor, epochs: int, seed: int) -> HPhi:
+    """BCE on training traces; the epoch with the best validation BCE is kept.
+
+    Validation = the last 15 % of the training prompts: a few thousand samples of a
+    ~2k-dimensional input over-fit within a few epochs otherwise.
+    """
     torch.manual_seed(seed)
-    x, y = features_of(train, embed), train.label.float()
+    cut = int(train.prompt.max()) * 0.85
+    fit, val = train.select(train.prompt <= cut), train.select(train.prompt > cut)
+    x, y = features_of(fit, embed), fit.label.float()
+    xv, yv = features_of(val, embed), val.label.float()
     model = HPhi(hidden_size=train.hidden.shape[1], embed_size=embed.shape[1])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    best, best_state = float("inf"), None
     for _ in tqdm(range(epochs), desc="h_phi", mininterval=10):
+        model.train()
         for idx in torch.randperm(len(y)).split(512):
             loss = F.binary_cross_entropy_with_logits(model(x[idx]), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
+        model.eval()
+        with torch.no_grad():
+            val_loss = float(F.binary_cross_entropy_with_logits(model(xv), yv)) if len(yv) else 0.0
+        if val_loss < best:
+            best, best_state = val_loss, {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
     return model.eval()
 
 
@@ -210,6 +227,8 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     encoded = [encode_prompt(stack.tokenizer, p.messages[0]["content"], True) for p in prompts]
     encoded = [e for e in encoded if len(e) <= 256]
     traces = collect_traces(stack, encoded, cfg, table)
+    if cfg.keep_traces:
+        torch.save(traces.__dict__, out / "traces.pt")
     n_held = int(len(encoded) * cfg.heldout_fraction)
     held_mask = traces.prompt < n_held
     train, held = traces.select(~held_mask), traces.select(held_mask)

@@ -36,6 +36,7 @@ class GenDataConfig:
     batch_size: int = 32
     temperature: float = 0.0  # 0 = greedy responses
     seed: int = 0
+    max_batches: int = 0  # stop after this many shards (0 = all): a run cut short, reproducibly
 
 
 def encode_prompt_messages(tok, messages) -> list[int]:
@@ -55,6 +56,8 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     encoded = [encoded[i] for i in order]
     batches = [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
+    if cfg.max_batches:
+        batches = batches[: cfg.max_batches]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = set(filter(None, [tok.eos_token_id])) | {2}
     torch.manual_seed(cfg.seed)

@@ -56,6 +56,13 @@ class TrainConfig:
     init_from_target: bool = True
 
 
+def sequence_key(s: Sequence) -> str:
+    """A stable identity for a training sequence (its tokens), to keep held-out sets fixed."""
+    import hashlib
+
+    return hashlib.sha256(s.tokens.numpy().tobytes()).hexdigest()[:16]
+
+
 def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
     """``d2t``: the ``size`` most frequent response tokens (plus ``always``), sorted."""
     counts: Counter[int] = Counter()
@@ -170,14 +177,22 @@ def train_drafter(cfg: TrainConfig) -> Path:
     embed = target.get_input_embeddings().weight.detach()
     seqs = load_shards(cfg.data)
     rng.shuffle(seqs)
-    heldout, train = seqs[: cfg.heldout_seqs], seqs[cfg.heldout_seqs :]
+    ckpt = out / "train_state.pt"
+    state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
+    if state is not None:  # resume, possibly on more data: same held-out set, same token map
+        held_keys = set(state["heldout_keys"])
+        heldout = [s for s in seqs if sequence_key(s) in held_keys]
+        train = [s for s in seqs if sequence_key(s) not in held_keys]
+    else:
+        heldout, train = seqs[: cfg.heldout_seqs], seqs[cfg.heldout_seqs :]
     vocab_size = target.config.vocab_size
     eos = [2] if vocab_size > 2 else []
-    d2t = (
-        build_draft_vocab(train, cfg.draft_vocab, vocab_size, eos)
-        if cfg.draft_vocab
-        else torch.arange(vocab_size)
-    )
+    if state is not None:
+        d2t = state["d2t"]
+    elif cfg.draft_vocab:
+        d2t = build_draft_vocab(train, cfg.draft_vocab, vocab_size, eos)
+    else:
+        d2t = torch.arange(vocab_size)
     vocab = DraftVocab(d2t, vocab_size)
     dcfg = random_drafter_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size)
     dcfg["dflash_config"].update(
@@ -185,14 +200,12 @@ def train_drafter(cfg: TrainConfig) -> Path:
     )
     dcfg["rope_parameters"] = dict(target.config.rope_parameters or {"rope_theta": 10000.0})
     model = DFlashDraftModel(DFlashConfig.from_dict(dcfg))
-    if cfg.init_from_target:
+    if cfg.init_from_target and state is None:
         init_from_target(model, target, feature_scales(train))
     head = target.get_output_embeddings().weight.detach()[d2t]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
-    ckpt = out / "train_state.pt"
-    if ckpt.exists():  # resume
-        state = torch.load(ckpt, weights_only=False)
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -222,7 +235,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
             bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "rng": rng.getstate()}, ckpt.with_suffix(".tmp"))
+                        "rng": rng.getstate(), "d2t": d2t,
+                        "heldout_keys": [sequence_key(s) for s in heldout]}, ckpt.with_suffix(".tmp"))
             ckpt.with_suffix(".tmp").rename(ckpt)
             save_drafter(model, d2t, out / "drafter", cfg)
     bar.close()
