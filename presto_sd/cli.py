@@ -81,10 +81,12 @@ def generation_params(args: argparse.Namespace, eos: tuple[int, ...], presto_def
     from presto_sd.acceptance import SamplingParams
     from presto_sd.builders import TreeParams
 
+    rho = args.rho or presto_defaults.get("rho", "ngram")
     if args.lambdas is not None:
         lambdas = tuple(float(x) for x in str(args.lambdas).split(","))
-    else:
-        lambdas = tuple(presto_defaults.get("lambdas", (1.0,)))
+    else:  # the lambdas the drafter's acceptance run fitted for this rho, if any
+        fitted = presto_defaults.get("lambdas_by_rho", {}).get(rho)
+        lambdas = tuple(fitted or presto_defaults.get("lambdas", (1.0,)))
     tree = TreeParams(
         method="linear" if args.method == "ar" else args.method,
         budget=args.budget,
@@ -92,7 +94,7 @@ def generation_params(args: argparse.Namespace, eos: tuple[int, ...], presto_def
         branching=args.branching,
         beam=args.beam,
         lambdas=lambdas,
-        rho=args.rho or presto_defaults.get("rho", "ngram"),
+        rho=rho,
     )
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     return GenerationParams(args.method, tree, args.max_new_tokens, sampling, stop_token_ids=eos)
