@@ -187,18 +187,24 @@ def calibration(probs: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> di
     }
 
 
-def fit_lambdas(t: Traces, log_rho: torch.Tensor, max_depth: int) -> list[float]:
-    """Per depth, the lambda whose scores best single out the accepted sibling (held-out)."""
-    lambdas = []
+def fit_lambdas(t: Traces, log_rho: torch.Tensor, max_depth: int) -> tuple[list[float], float]:
+    """Per depth, the lambda whose scores best single out the accepted sibling (held-out).
+
+    Returns the lambdas and the mean held-out log-likelihood gain over ``lambda = 0``
+    (what the provider adds to ``q`` for ranking: the quantity PRESTO's trees use).
+    """
+    lambdas, gain = [], 0.0
     for d in range(1, max_depth + 1):
         sel = t.depth == d
-        best, best_ll = 0.0, -math.inf
+        best, best_ll, base_ll = 0.0, -math.inf, None
         for lam in LAMBDA_GRID:
             ll = _sibling_log_likelihood(t.log_q[sel] + lam * log_rho[sel], t.label[sel], t.group[sel])
+            base_ll = ll if base_ll is None else base_ll  # the grid starts at 0
             if ll > best_ll + 1e-9:
                 best, best_ll = lam, ll
         lambdas.append(best)
-    return lambdas
+        gain += (best_ll - base_ll) / max_depth
+    return lambdas, gain
 
 
 def _sibling_log_likelihood(score: torch.Tensor, label: torch.Tensor, group: torch.Tensor) -> float:
@@ -238,10 +244,12 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     with torch.no_grad():
         p_hphi = torch.sigmoid(hphi(features_of(held, embed)))
     log_rho_h = p_hphi.clamp_min(RHO_FLOOR).log()  # as LearnedRho scores at run time
-    lambdas = {
+    fits = {
         "hphi": fit_lambdas(held, log_rho_h, cfg.depth),
         "ngram": fit_lambdas(held, held.log_rho_ngram, cfg.depth),
     }
+    lambdas = {k: v[0] for k, v in fits.items()}
+    ranking_gain = {k: round(v[1], 4) for k, v in fits.items()}
     report = {
         "samples": {"train": len(train), "heldout": len(held)},
         "acceptance_rate": round(float(traces.label.mean()), 4),
@@ -249,9 +257,11 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
         "ngram": calibration(held.log_rho_ngram.exp(), held.label),
         "marginal_q": calibration(held.log_q.exp(), held.label),
         "lambdas": lambdas,
+        "sibling_loglik_gain": ranking_gain,
         "config": asdict(cfg),
     }
-    best = max(("hphi", "ngram"), key=lambda k: report[k]["auc"])
+    # the default provider: the one that adds most to q's ranking of siblings (held-out)
+    best = max(("hphi", "ngram"), key=lambda k: ranking_gain[k])
     (out / "presto.json").write_text(json.dumps({"rho": best, "lambdas": lambdas[best],
                                                  "lambdas_by_rho": lambdas}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))
