@@ -8,6 +8,7 @@ target's own samples, whatever the tree, because the tree is fixed before ``x`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,15 +82,20 @@ class WalkResult:
 
 def walk_tree(
     tree: TokenTree,
-    logits: torch.Tensor,
+    logits: torch.Tensor | Callable[[int], torch.Tensor],
     params: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> WalkResult:
-    """Sample-and-match over target logits [N, V] of every tree node."""
+    """Sample-and-match over the target logits of the tree's nodes.
+
+    ``logits`` is [N, V], or a function node -> [V] so that a verifier computes the
+    lm_head only for the nodes the walk visits (most are never reached).
+    """
+    logits_at = logits if callable(logits) else logits.__getitem__
     node = 0
     path = [0]
     while True:
-        x = sample_token(logits[node], params, generator)
+        x = sample_token(logits_at(node), params, generator)
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == x), None)
         if nxt is None:
             return WalkResult(path=path, bonus=x)

@@ -85,10 +85,10 @@ def test_speculative_sampling_matches_target(model):
 def test_a_wrong_acceptance_rule_is_caught(model, monkeypatch):
     right = acceptance.sample_token
 
-    def plausible_walk(tree, hidden, logits_fn, sampling, generator):
+    def plausible_walk(tree, logits_at, sampling, generator):
         node, path = 0, [0]
         while True:
-            logits = logits_fn(hidden[node])
+            logits = logits_at(node)
             probs = torch.softmax(logits, -1)
             plausible = [c for c in tree.children(node) if probs[tree.tokens[c]] > 0.05]
             if not plausible:
@@ -96,7 +96,7 @@ def test_a_wrong_acceptance_rule_is_caught(model, monkeypatch):
             node = plausible[0]
             path.append(node)
 
-    monkeypatch.setattr("verifier_service.hf_verifier._walk_lazily", plausible_walk)
+    monkeypatch.setattr("verifier_service.hf_verifier.walk_tree", plausible_walk)
     p = chi_square_p(sample_pairs(model), exact_joint(model))
     assert p < 1e-6, f"the test failed to catch a biased acceptance rule (p = {p:.2e})"
 

@@ -204,7 +204,7 @@ class HFVerifier(Verifier):
             walk = walk_tree(tree, logits, s.sampling, s.generator)
             node_probs = node_token_probs(tree, logits, s.sampling).cpu()
         else:  # only the walked nodes need logits: lazily, one row per step
-            walk = _walk_lazily(tree, hidden, self._logits, s.sampling, s.generator)
+            walk = walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator)
             node_probs = None
 
         keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
@@ -220,20 +220,6 @@ class HFVerifier(Verifier):
             node_probs=node_probs,
             accepted_nodes=tuple(walk.path),
         )
-
-
-def _walk_lazily(tree, hidden, logits_fn, sampling, generator):
-    """``walk_tree`` without the lm_head over every node (most nodes are never visited)."""
-    from presto_sd.acceptance import WalkResult
-
-    node, path = 0, [0]
-    while True:
-        x = sample_token(logits_fn(hidden[node]), sampling, generator)
-        nxt = next((c for c in tree.children(node) if tree.tokens[c] == x), None)
-        if nxt is None:
-            return WalkResult(path=path, bonus=x)
-        node = nxt
-        path.append(node)
 
 
 def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:
