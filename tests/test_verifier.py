@@ -171,3 +171,24 @@ def test_limits(tiny_target):
         v.verify("a", pre.base, deep)
     with pytest.raises(InvalidArgumentError, match="out of range"):
         v.prefill("a", [0, 99])
+
+
+def test_a_failed_forward_leaves_the_session_intact(tiny_target, monkeypatch):
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = v.prefill("s", PROMPT)
+    tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure after the KV cache grew")
+
+    monkeypatch.setattr("verifier_service.hf_verifier.walk_tree", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        v.verify("s", pre.base, tree)
+    monkeypatch.undo()
+    assert v.sessions["s"].cache.layers[0].keys.shape[-2] == len(PROMPT)
+    out, base = [pre.anchor], pre.base
+    for _ in range(4):
+        r = v.step("s", base)
+        out.append(r.bonus)
+        base = r.base
+    assert out == hf_greedy(tiny_target, PROMPT, 5)

@@ -197,15 +197,18 @@ class HFVerifier(Verifier):
         mask = None
         if n > 1:
             mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
-        hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
-
-        if want_node_probs:  # traces need every node's parent distribution
-            logits = self._logits(hidden)
-            walk = walk_tree(tree, logits, s.sampling, s.generator)
-            node_probs = node_token_probs(tree, logits, s.sampling).cpu()
-        else:  # only the walked nodes need logits: lazily, one row per step
-            walk = walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator)
-            node_probs = None
+        try:
+            hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
+            if want_node_probs:  # traces need every node's parent distribution
+                logits = self._logits(hidden)
+                walk = walk_tree(tree, logits, s.sampling, s.generator)
+                node_probs = node_token_probs(tree, logits, s.sampling).cpu()
+            else:  # only the walked nodes need logits: lazily, one row per step
+                walk = walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator)
+                node_probs = None
+        except BaseException:
+            _compact_cache(s.cache, torch.arange(base, device=self.device))  # never half-applied
+            raise
 
         keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
         _compact_cache(s.cache, keep)
@@ -224,7 +227,7 @@ class HFVerifier(Verifier):
 
 def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:
     """Keep only the KV positions in ``keep`` (the prefix and the accepted path)."""
-    contiguous = int(keep[-1]) == len(keep) - 1  # linear acceptance: a plain truncation
+    contiguous = len(keep) == 0 or int(keep[-1]) == len(keep) - 1  # a plain truncation
     for layer in cache.layers:
         if contiguous:
             layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
