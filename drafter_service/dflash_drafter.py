@@ -6,7 +6,6 @@ feature delta, plus an online n-gram of the request's tokens for the n-gram rho.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -19,11 +18,11 @@ from presto_sd.messages import (
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
-    SessionNotFoundError,
     check_base,
 )
 from presto_sd.ngram import NGramModel
 from presto_sd.scores import ConstantRho, DraftMarginals, NGramRho, RhoProvider, ScoringContext
+from presto_sd.sessions import SessionTable
 
 
 @dataclass
@@ -70,8 +69,7 @@ class DFlashDrafter(Drafter):
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.max_budget = max_budget
-        self.sessions: dict[str, _DraftSession] = {}
-        self._lock = threading.Lock()
+        self.sessions: SessionTable[_DraftSession] = SessionTable("drafter", max_sessions)
 
     @property
     def config(self):
@@ -89,25 +87,11 @@ class DFlashDrafter(Drafter):
             max_sessions=self.max_sessions,
         )
 
-    def _session(self, session_id: str) -> _DraftSession:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise SessionNotFoundError(f"drafter session {session_id!r} not found")
-        s.last_used = time.monotonic()
-        return s
-
     def close(self, session_id: str) -> None:
-        with self._lock:
-            if self.sessions.pop(session_id, None) is None:
-                raise SessionNotFoundError(f"drafter session {session_id!r} not found")
+        self.sessions.close(session_id)
 
     def close_idle(self, ttl_s: float) -> list[str]:
-        now = time.monotonic()
-        with self._lock:
-            stale = [k for k, s in self.sessions.items() if now - s.last_used > ttl_s]
-            for k in stale:
-                del self.sessions[k]
-        return stale
+        return self.sessions.close_idle(ttl_s)
 
     # -- context cache ------------------------------------------------------------------
     def _check_delta(self, delta: FeatureDelta) -> None:
@@ -136,18 +120,15 @@ class DFlashDrafter(Drafter):
         if not delta.tokens:
             raise InvalidArgumentError("prefill.delta: empty prompt")
         self._check_delta(delta)
-        with self._lock:
-            if session_id not in self.sessions and len(self.sessions) >= self.max_sessions:
-                raise LimitExceededError(f"drafter: {self.max_sessions} sessions open (max)")
+        self.sessions.check_room(session_id)
         ngram = NGramModel(order=3, vocab_size=self.vocab_size)
         ngram.update(list(delta.tokens))
         session = _DraftSession(self._context_kv(delta), list(delta.tokens), ngram)
-        with self._lock:
-            self.sessions[session_id] = session
+        self.sessions.open(session_id, session)
         return session.base
 
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
-        s = self._session(session_id)
+        s = self.sessions.touch(session_id)
         check_base(session_id, s.base, delta.start)
         if not delta.tokens:
             raise InvalidArgumentError("commit.delta.tokens: empty (a round commits at least its anchor)")
@@ -179,7 +160,7 @@ class DFlashDrafter(Drafter):
         return DraftMarginals(ids, top.values, entropy, hidden.float())
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        s = self._session(session_id)
+        s = self.sessions.touch(session_id)
         check_base(session_id, s.base, base)
         if not 0 <= anchor < self.vocab_size:
             raise InvalidArgumentError(f"draft.anchor = {anchor}: out of range [0, {self.vocab_size})")

@@ -8,7 +8,6 @@ decoding of the same tokens produces (tests hold this).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -20,10 +19,10 @@ from presto_sd.messages import (
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
-    SessionNotFoundError,
     check_base,
 )
 from presto_sd.models import cache_kwarg
+from presto_sd.sessions import SessionTable
 from presto_sd.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
 from verifier_service.engine import (
     PrefillResult,
@@ -74,8 +73,7 @@ class HFVerifier(Verifier):
         self.eos_token_ids = tuple(eos_token_ids)
         self.name = name or model.config.name_or_path
         self._cache_kwarg = cache_kwarg(self.decoder)
-        self.sessions: dict[str, _Session] = {}
-        self._lock = threading.Lock()  # the session table; forwards are per-session
+        self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
 
     @property
     def device(self) -> torch.device:
@@ -93,29 +91,14 @@ class HFVerifier(Verifier):
         )
 
     # -- sessions -----------------------------------------------------------------------
-    def _session(self, session_id: str) -> _Session:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise SessionNotFoundError(f"session {session_id!r} not found (closed, expired or never opened)")
-        s.last_used = time.monotonic()
-        return s
-
     def anchor(self, session_id: str) -> int:
-        return self._session(session_id).tokens[-1]
+        return self.sessions.touch(session_id).tokens[-1]
 
     def close(self, session_id: str) -> None:
-        with self._lock:
-            if self.sessions.pop(session_id, None) is None:
-                raise SessionNotFoundError(f"session {session_id!r} not found")
+        self.sessions.close(session_id)
 
     def close_idle(self, ttl_s: float) -> list[str]:
-        """Close sessions idle for longer than ``ttl_s``; returns their ids."""
-        now = time.monotonic()
-        with self._lock:
-            stale = [k for k, s in self.sessions.items() if now - s.last_used > ttl_s]
-            for k in stale:
-                del self.sessions[k]
-        return stale
+        return self.sessions.close_idle(ttl_s)
 
     # -- the forward --------------------------------------------------------------------
     def _forward(
@@ -154,9 +137,7 @@ class HFVerifier(Verifier):
             raise LimitExceededError(
                 f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
             )
-        with self._lock:
-            if session_id not in self.sessions and len(self.sessions) >= self.limits.max_sessions:
-                raise LimitExceededError(f"verifier: {self.limits.max_sessions} sessions open (max)")
+        self.sessions.check_room(session_id)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         # plain dynamic layers: sliding-window layers would drop entries the tree mask indexes
@@ -166,8 +147,7 @@ class HFVerifier(Verifier):
         if anchor is None:
             anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
         session = _Session(cache, [*token_ids, anchor], sampling, generator)
-        with self._lock:
-            self.sessions[session_id] = session
+        self.sessions.open(session_id, session)
         delta = FeatureDelta(0, tuple(token_ids), feats)
         return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
 
@@ -175,7 +155,7 @@ class HFVerifier(Verifier):
     def verify(
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
-        s = self._session(session_id)
+        s = self.sessions.touch(session_id)
         check_base(session_id, s.base, base)
         try:
             tree.validate(self.limits.tree)
