@@ -101,10 +101,9 @@ def generation_params(args: argparse.Namespace, eos: tuple[int, ...], presto_def
 
 
 def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
-    if chat and tok.chat_template:
-        enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
-    return tok(prompt)["input_ids"]
+    from presto_sd.models import encode_messages
+
+    return encode_messages(tok, [{"role": "user", "content": prompt}], chat)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -91,6 +91,14 @@ def save_dequantized(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: 
     tok.save_pretrained(out)
 
 
+def encode_messages(tok: PreTrainedTokenizerBase, messages, chat: bool = True) -> list[int]:
+    """Prompt token ids: the chat template with a generation prompt, or the raw text."""
+    if chat and tok.chat_template:
+        enc = tok.apply_chat_template(list(messages), add_generation_prompt=True)
+        return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+    return tok("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
 def cache_kwarg(module: torch.nn.Module) -> str:
     """transformers >= 5.2x names a forward's KV cache argument ``cache``; older, ``past_key_values``."""
     import inspect

@@ -74,13 +74,6 @@ def load_bench_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def encode_messages(tok, messages, chat: bool) -> list[int]:
-    if chat and tok.chat_template:
-        enc = tok.apply_chat_template(list(messages), add_generation_prompt=True)
-        return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
-    return tok("\n\n".join(m["content"] for m in messages))["input_ids"]
-
-
 def bench_config(args: argparse.Namespace, eos: tuple[int, ...], presto_defaults: dict):
     from presto_sd.bench.runner import BenchConfig
     from presto_sd.cli import generation_params
@@ -97,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.embedded import build_embedded
     from presto_sd.bench.report import command_line, machine_info
     from presto_sd.bench.runner import BenchPrompt, bench
+    from presto_sd.models import encode_messages
 
     if args.threads:
         torch.set_num_threads(args.threads)

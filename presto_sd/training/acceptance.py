@@ -220,8 +220,8 @@ def _sibling_log_likelihood(score: torch.Tensor, label: torch.Tensor, group: tor
 
 def train_acceptance(cfg: AcceptanceConfig) -> dict:
     from orchestrator.embedded import build_embedded
-    from presto_sd.cli import encode_prompt
     from presto_sd.datasets import load_prompts
+    from presto_sd.models import encode_messages
 
     out = Path(cfg.drafter)
     stack = build_embedded(cfg.target, cfg.drafter, device=torch.device("cpu"))
@@ -230,7 +230,7 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     table.save(out / "ngram.json.gz", min_count=cfg.ngram_min_count)
     table = NGramModel.load(out / "ngram.json.gz")  # score with exactly what ships
     prompts = load_prompts("sharegpt", "train")[-cfg.n_prompts :]  # the tail: past gen-data's prefix
-    encoded = [encode_prompt(stack.tokenizer, p.messages[0]["content"], True) for p in prompts]
+    encoded = [encode_messages(stack.tokenizer, p.messages) for p in prompts]
     encoded = [e for e in encoded if len(e) <= 256]
     traces = collect_traces(stack, encoded, cfg, table)
     if cfg.keep_traces:

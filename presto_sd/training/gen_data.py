@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from presto_sd.datasets import load_prompts
-from presto_sd.models import cache_kwarg, load_target
+from presto_sd.models import cache_kwarg, encode_messages, load_target
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,13 @@ class GenDataConfig:
     max_batches: int = 0  # stop after this many shards (0 = all): a run cut short, reproducibly
 
 
-def encode_prompt_messages(tok, messages) -> list[int]:
-    enc = tok.apply_chat_template(list(messages), add_generation_prompt=True)
-    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-
-
 def generate_training_data(cfg: GenDataConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(asdict(cfg), indent=2))
     model, tok = load_target(cfg.target, torch.device("cpu"), torch.float32)
     prompts = load_prompts("sharegpt", "train", cfg.n_prompts)
-    encoded = [(p.id, encode_prompt_messages(tok, p.messages)) for p in prompts]
+    encoded = [(p.id, encode_messages(tok, p.messages)) for p in prompts]
     encoded = [(pid, ids) for pid, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
     # shuffled (seeded) so every shard, hence any prefix of the run, is representative
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
