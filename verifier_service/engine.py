@@ -7,12 +7,13 @@ gRPC client (remote). The generation loop and the orchestrator only see this cla
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from presto_sd.acceptance import SamplingParams
-from presto_sd.messages import FeatureDelta
+from presto_sd.messages import EngineError, FeatureDelta
 from presto_sd.tree import TokenTree, TreeLimits
 
 
@@ -56,6 +57,16 @@ class VerifyResult:
         return (*self.accepted, self.bonus)
 
 
+@dataclass(frozen=True)
+class VerifyCall:
+    """One request's share of a batched verification (``Verifier.verify_batch``)."""
+
+    session_id: str
+    base: int
+    tree: TokenTree
+    want_node_probs: bool = False
+
+
 class Verifier(ABC):
     @abstractmethod
     def info(self) -> VerifierInfo: ...
@@ -79,6 +90,21 @@ class Verifier(ABC):
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
         """One target forward over every tree node; sample-and-match; commit the path."""
+
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
+        """Verify several sessions' trees; each answer is its call's result or its error.
+
+        One call's refusal (a stale base, a bad tree) never fails the others. This default
+        verifies one call after another; engines that can put every tree into ONE forward
+        override it, with results equal to these.
+        """
+        out: list[VerifyResult | EngineError] = []
+        for c in calls:
+            try:
+                out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs))
+            except EngineError as e:
+                out.append(e)
+        return out
 
     def step(self, session_id: str, base: int) -> VerifyResult:
         """One plain AR token: the verification of a root-only tree."""
