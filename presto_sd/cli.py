@@ -15,9 +15,10 @@ import json
 import sys
 import time
 
+from presto_sd.builders import METHODS
 from presto_sd.rpc import cli as rpc_cli
 
-METHOD_CHOICES = ("ar", "linear", "marginal", "presto-beam", "presto-best-first")
+METHOD_CHOICES = ("ar", *METHODS)
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
