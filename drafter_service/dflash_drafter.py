@@ -7,13 +7,13 @@ feature delta, plus an online n-gram of the request's tokens for the n-gram rho.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from drafter_service.dflash_model import DFlashDraftModel
 from drafter_service.engine import Drafter, DrafterInfo, DraftResult
-from presto_sd.builders import METHODS, TreeParams, build_tree
+from presto_sd.builders import METHODS, RHO_METHODS, TreeParams, build_tree
 from presto_sd.messages import (
     FeatureDelta,
     InvalidArgumentError,
@@ -169,7 +169,8 @@ class DFlashDrafter(Drafter):
                 f"tree.budget = {params.budget}: over the drafter's limit {self.max_budget}"
             )
         rho = None
-        if params.method.startswith("presto"):
+        # TAPS may take its acceptance from q itself: rho "marginal"
+        if params.method in RHO_METHODS and not (params.method == "taps" and params.rho == "marginal"):
             rho = self.rho_providers.get(params.rho)
             if rho is None:
                 raise InvalidArgumentError(
@@ -180,6 +181,8 @@ class DFlashDrafter(Drafter):
         marginals = self.marginals(s, anchor, depth, params.top_k)
         t1 = time.perf_counter()
         ctx = ScoringContext(marginals, s.tokens + [anchor], s.ngram)
+        if params.method == "taps" and params.draft_s <= 0:  # no estimate given: this round's
+            params = replace(params, draft_s=t1 - t0)
         try:
             built = build_tree(anchor, ctx, params, rho)
         except ValueError as e:

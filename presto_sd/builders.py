@@ -7,6 +7,9 @@
   expand the top ``k`` children of each of the ``b`` frontier paths by ``s``, keep the
   global top ``b`` paths as the next frontier; every node added stays in the tree.
 - ``presto-best-first``: the heap of ``marginal``, on prefix-aligned path scores.
+- ``taps``: the heap on acceptance ``log a(u)`` (reach), cut at the budget ``B*`` that
+  maximises expected tokens per second under the verifier's cost model (``taps.py``);
+  ``budget`` is then a cap, not the size.
 
 Budgets count draft nodes (the root/anchor excluded). Scores are ``<= 0`` so path scores
 never grow along a path: best-first pops give the exact top-``B`` prefix-closed set.
@@ -15,20 +18,24 @@ never grow along a path: best-first pops give the exact top-``B`` prefix-closed 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from presto_sd.cost_model import CostFit
 from presto_sd.scores import (
     DraftMarginals,
     RhoProvider,
     ScoringContext,
     prefix_aligned_scores,
 )
+from presto_sd.taps import choose_budget
 from presto_sd.tree import TokenTree
 
-METHODS = ("linear", "marginal", "presto-beam", "presto-best-first")
+METHODS = ("linear", "marginal", "presto-beam", "presto-best-first", "taps")
+RHO_METHODS = ("presto-beam", "presto-best-first", "taps")  # the methods that use ``rho``
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,14 @@ class TreeParams:
     branching: int = 4  # k: children expanded per frontier path (presto-beam)
     beam: int = 4  # b: frontier paths kept per depth (presto-beam)
     lambdas: tuple[float, ...] = (1.0,)  # lambda_d per depth; the last repeats
-    rho: str = "ngram"  # the rho provider PRESTO methods score with
+    rho: str = "ngram"  # the rho provider PRESTO methods score with; TAPS's a(u)
     top_k: int = 10  # candidates kept per block position (the marginals' K)
+    # TAPS: the verifier's cost model, the drafter's seconds per round (0: this round's
+    # forward), and optional penalties: seconds per node, log-reach per depth level
+    cost: CostFit | None = None
+    draft_s: float = 0.0
+    node_penalty_s: float = 0.0
+    depth_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -51,6 +64,8 @@ class TreeParams:
             raise ValueError("tree.branching, tree.beam and tree.top_k must be >= 1")
         if not self.lambdas or any(lam < 0 for lam in self.lambdas):
             raise ValueError(f"tree.lambdas = {self.lambdas}: must be non-empty and >= 0")
+        if min(self.draft_s, self.node_penalty_s, self.depth_penalty) < 0:
+            raise ValueError("tree.draft_s, tree.node_penalty_s and tree.depth_penalty must be >= 0")
 
     def lam(self, depth: int) -> float:
         return self.lambdas[min(depth, len(self.lambdas)) - 1]
@@ -85,6 +100,21 @@ class NodeScorer:
             return tokens, log_q
         log_rho = self.rho.log_rho(self.ctx, depth, prefixes, tokens, log_q)
         return tokens, prefix_aligned_scores(log_q, log_rho, lam)
+
+
+class AcceptanceScorer(NodeScorer):
+    """TAPS's node score ``log a(u)``: rho, or ``q`` itself without a provider."""
+
+    def __init__(self, ctx: ScoringContext, rho: RhoProvider | None, depth_penalty: float = 0.0) -> None:
+        super().__init__(ctx, rho)
+        self.depth_penalty = depth_penalty
+
+    def child_scores(self, depth: int, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.ctx.marginals
+        tokens = m.token_ids[depth - 1].expand(len(prefixes), -1)
+        log_q = m.log_probs[depth - 1].float().expand(len(prefixes), -1)
+        log_a = log_q if self.rho is None else self.rho.log_rho(self.ctx, depth, prefixes, tokens, log_q)
+        return tokens, log_a.clamp(max=0.0) - self.depth_penalty
 
 
 def build_linear_tree(anchor: int, marginals: DraftMarginals, params: TreeParams) -> BuiltTree:
@@ -176,13 +206,31 @@ def build_presto_beam_tree(
     return BuiltTree(TokenTree(tuple(tokens), tuple(parents), tuple(depths)), tuple(scores))
 
 
+def build_taps_tree(
+    anchor: int, ctx: ScoringContext, rho: RhoProvider | None, params: TreeParams
+) -> BuiltTree:
+    """Pop nodes by reach up to the cap ``params.budget``, then keep the first ``B*``."""
+    if params.cost is None:
+        raise ValueError("tree.method 'taps' needs tree.cost: the verifier's cost model (its Info)")
+    depth = min(params.depth, ctx.marginals.depth)
+    full = _best_first(anchor, depth, params.budget, AcceptanceScorer(ctx, rho, params.depth_penalty))
+    t = full.tree
+    # pop order is node order; the depth penalty steers the ranking, not the reach
+    reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
+    base = len(ctx.context_tokens) - 1
+    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s)
+    keep = choice.budget + 1
+    tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
+    return BuiltTree(tree, full.path_scores[:keep])
+
+
 def build_tree(
     anchor: int,
     ctx: ScoringContext,
     params: TreeParams,
     rho: RhoProvider | None = None,
 ) -> BuiltTree:
-    """Dispatch on ``params.method``; PRESTO methods need a rho provider."""
+    """Dispatch on ``params.method``; PRESTO methods need a rho provider (TAPS: optional)."""
     if params.method == "linear":
         return build_linear_tree(anchor, ctx.marginals, params)
     if params.method == "marginal":
@@ -194,4 +242,6 @@ def build_tree(
             build_presto_beam_tree if params.method == "presto-beam" else build_presto_best_first_tree
         )
         return builder(anchor, ctx, rho, params)
+    if params.method == "taps":
+        return build_taps_tree(anchor, ctx, rho, params)
     raise ValueError(f"tree.method = {params.method!r}: unknown (choose from {', '.join(METHODS)})")

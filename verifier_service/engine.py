@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from presto_sd.acceptance import SamplingParams
+from presto_sd.cost_model import CostFit
 from presto_sd.messages import EngineError, FeatureDelta
 from presto_sd.tree import TokenTree, TreeLimits
 
@@ -33,6 +34,7 @@ class VerifierInfo:
     eos_token_ids: tuple[int, ...]
     target_layer_ids: tuple[int, ...]
     limits: VerifierLimits = field(default_factory=VerifierLimits)
+    cost: CostFit | None = None  # forward seconds vs tree size and context, fit online
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,14 @@ class Verifier(ABC):
     def step(self, session_id: str, base: int) -> VerifyResult:
         """One plain AR token: the verification of a root-only tree."""
         return self.verify(session_id, base, TokenTree.root_only(self.anchor(session_id)))
+
+    def calibrate_cost(self) -> CostFit | None:
+        """Measure forwards over a range of tree sizes and contexts; the fitted cost model.
+
+        Engines that time their own forwards override this; a client of a remote verifier
+        gets the server's fit (calibrated at its start-up) from ``info()``.
+        """
+        return self.info().cost
 
     @abstractmethod
     def anchor(self, session_id: str) -> int:
