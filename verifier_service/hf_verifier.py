@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from presto_sd.acceptance import SamplingParams, node_token_probs, sample_token, walk_tree
+from presto_sd.cost_model import CostFit, OnlineCostModel
 from presto_sd.messages import (
     FeatureDelta,
     InvalidArgumentError,
@@ -24,6 +25,7 @@ from presto_sd.messages import (
 from presto_sd.models import cache_kwarg
 from presto_sd.sessions import SessionTable
 from presto_sd.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
+from verifier_service.calibration import calibrate_verify_cost
 from verifier_service.engine import (
     PrefillResult,
     Verifier,
@@ -74,6 +76,8 @@ class HFVerifier(Verifier):
         self.name = name or model.config.name_or_path
         self._cache_kwarg = cache_kwarg(self.decoder)
         self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
+        # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
+        self.cost_model = OnlineCostModel()
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +92,14 @@ class HFVerifier(Verifier):
             eos_token_ids=self.eos_token_ids,
             target_layer_ids=self.target_layer_ids,
             limits=self.limits,
+            cost=self.cost_model.fit,
         )
+
+    def calibrate_cost(self) -> CostFit:
+        """Time forwards over tree sizes and contexts; later forwards refine the fit."""
+        fit = calibrate_verify_cost(self)
+        self.cost_model = OnlineCostModel(prior=fit)
+        return fit
 
     # -- sessions -----------------------------------------------------------------------
     def anchor(self, session_id: str) -> int:
@@ -178,7 +189,10 @@ class HFVerifier(Verifier):
         if n > 1:
             mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
         try:
+            t0 = time.perf_counter()
             hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
+            if self.cost_model.prior is not None:  # refine the calibrated fit, never replace it
+                self.cost_model.observe(n, base, time.perf_counter() - t0)
             if want_node_probs:  # traces need every node's parent distribution
                 logits = self._logits(hidden)
                 walk = walk_tree(tree, logits, s.sampling, s.generator)
