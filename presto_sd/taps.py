@@ -51,5 +51,6 @@ def choose_budget(
     expected = np.concatenate([[0.0], np.cumsum(r)])
     seconds = draft_s + np.asarray(cost.seconds(b + 1, context)) + node_penalty_s * b
     objective = (1.0 + expected) / np.maximum(seconds, 1e-9)
-    best = int(np.argmax(objective))  # the first maximum: the smallest such tree
+    # the first (near-)maximum: a gain below float noise never buys a bigger tree
+    best = int(np.argmax(objective >= objective.max() * (1 - 1e-9)))
     return BudgetChoice(best, float(expected[best]), float(objective[best]), tuple(objective.tolist()))

@@ -12,7 +12,7 @@ from presto_sd.scores import DraftMarginals
 from presto_sd.tree import TokenTree
 from tests.conftest import hf_greedy, make_engines, tiny_llama
 
-METHODS = ["linear", "marginal", "presto-beam", "presto-best-first"]
+METHODS = ["linear", "marginal", "presto-beam", "presto-best-first", "taps"]
 PROMPTS = [[0, 3, 5, 7], [0, 1, 1, 2, 3, 5, 8, 13], [0, 9]]
 
 

@@ -1,0 +1,142 @@
+"""TAPS without a model: the cost fit, the budget objective, and the tree it keeps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from presto_sd.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
+from presto_sd.cost_model import CostFit, OnlineCostModel, fit_cost
+from presto_sd.scores import ConstantRho
+from presto_sd.taps import choose_budget
+from tests.test_builders import assert_well_formed, ctx_for, random_marginals
+
+FLAT = CostFit(0.05, 0.0, 0.0, 0.0)
+CPU_LIKE = CostFit(0.030, 0.0015, 2e-5, 0.002)  # ~ SmolLM2 on 2 cores (DESIGN.md §5)
+STEEP = CostFit(0.010, 0.5, 0.0, 0.0)  # every node costs 50x a whole AR step
+
+
+def brute_force_budget(reaches, cost, ctx, draft_s, node_penalty_s=0.0):
+    best, best_val = 0, -1.0
+    for b in range(len(reaches) + 1):
+        val = (1 + sum(reaches[:b])) / (draft_s + cost.seconds(b + 1, ctx) + node_penalty_s * b)
+        if val > best_val * (1 + 1e-9):
+            best, best_val = b, val
+    return best
+
+
+@pytest.mark.parametrize("cost", [FLAT, CPU_LIKE, STEEP])
+@pytest.mark.parametrize("draft_s", [0.0, 0.01, 0.2])
+def test_budget_is_the_argmax_of_expected_tokens_per_second(cost, draft_s):
+    reaches = [0.9, 0.7, 0.6, 0.3, 0.3, 0.2, 0.1, 0.05, 0.01, 0.01]
+    choice = choose_budget(reaches, cost, context=300, draft_s=draft_s)
+    assert choice.budget == brute_force_budget(reaches, cost, 300, draft_s)
+    assert choice.expected_tokens_per_s == pytest.approx(max(choice.objective))
+    assert choice.expected_accepted == pytest.approx(sum(reaches[: choice.budget]))
+
+
+def test_hand_built_case():
+    # draft 10 ms; verify 10 ms + 10 ms per tree token (the root too): B=0 gives
+    # 1/0.03 = 33 tok/s, B=1 1.8/0.04 = 45, B=2 2.3/0.05 = 46, B=3 2.4/0.06 = 40
+    cost = CostFit(0.010, 0.010, 0.0, 0.0)
+    choice = choose_budget([0.8, 0.5, 0.1], cost, context=0, draft_s=0.010)
+    assert choice.budget == 2
+    assert choice.objective == pytest.approx((1 / 0.03, 1.8 / 0.04, 2.3 / 0.05, 2.4 / 0.06))
+
+
+def test_flat_cost_takes_the_cap_and_steep_cost_shrinks_to_a_step():
+    reaches = [0.8, 0.6, 0.5, 0.2, 0.1]
+    assert choose_budget(reaches, FLAT, 100, 0.01).budget == len(reaches)
+    assert choose_budget(reaches, STEEP, 100, 0.01).budget == 0
+    assert choose_budget(reaches, FLAT, 100, 0.01, node_penalty_s=1.0).budget == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    reaches=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=40),
+    coeffs=st.tuples(*[st.floats(0.0, 0.1)] * 4),
+    draft_s=st.floats(0.001, 0.5),
+    ctx=st.integers(0, 4000),
+)
+def test_budget_matches_brute_force(reaches, coeffs, draft_s, ctx):
+    cost = CostFit(*coeffs)
+    want = brute_force_budget(reaches, cost, ctx, draft_s)
+    assert choose_budget(reaches, cost, ctx, draft_s).budget == want
+
+
+def test_cost_fit_recovers_coefficients_despite_outliers():
+    rng = np.random.default_rng(0)
+    truth = CostFit(0.03, 0.002, 3e-5, 0.004)
+    n = rng.integers(1, 65, 300)
+    ctx = rng.integers(16, 1500, 300)
+    y = np.asarray(truth.seconds(n, ctx)) * rng.normal(1, 0.03, 300)
+    y[::15] *= 5  # a neighbour stole the core on one forward in fifteen
+    fit = fit_cost(n, ctx, y)
+    for got, want in zip(fit.coeffs, truth.coeffs):
+        assert got == pytest.approx(want, rel=0.15, abs=2e-4)
+
+
+def test_online_model_stays_near_its_prior_with_few_points_and_then_follows_the_data():
+    prior = CostFit(0.03, 0.002, 0.0, 0.0)
+    model = OnlineCostModel(prior=prior, refit_every=1)
+    model.observe(8, 100, 0.5)  # one wild forward
+    assert model.fit.seconds(33, 100) < 0.5  # the prior holds the slope
+    for _ in range(200):  # the machine really got 3x slower
+        for n in (1, 16, 32, 64):
+            model.observe(n, 100, 3 * prior.seconds(n, 100))
+    assert model.fit.seconds(32, 100) == pytest.approx(3 * prior.seconds(32, 100), rel=0.1)
+
+
+def pop_order_tree(m, params, rho):
+    ctx = ctx_for(m)
+    depth = min(params.depth, m.depth)
+    return _best_first(ctx.context_tokens[-1], depth, params.budget, AcceptanceScorer(ctx, rho))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    cap=st.integers(1, 64),
+    depth=st.integers(1, 8),
+    k=st.integers(1, 6),
+    coeffs=st.tuples(st.floats(0.0, 0.05), st.floats(0.0, 0.02), st.just(0.0), st.just(0.0)),
+)
+def test_taps_tree_is_the_best_first_prefix_of_its_budget(seed, cap, depth, k, coeffs):
+    m = random_marginals(depth, k, seed=seed)
+    params = TreeParams(method="taps", budget=cap, depth=depth, cost=CostFit(*coeffs), draft_s=0.01)
+    built = build_taps_tree(4, ctx_for(m), ConstantRho(0.7), params)
+    assert_well_formed(built.tree, cap, depth)
+    full = pop_order_tree(m, params, ConstantRho(0.7)).tree
+    keep = len(built.tree.tokens)
+    assert built.tree.tokens == full.tokens[:keep] and built.tree.parents == full.parents[:keep]
+    # reach never grows along a path: path scores are log-reaches, so each child <= parent
+    for node in range(1, keep):
+        assert built.path_scores[node] <= built.path_scores[built.tree.parents[node]] + 1e-9
+
+
+def test_taps_with_marginal_acceptance_ranks_like_ddtree():
+    m = random_marginals(6, 4, seed=3)
+    params = TreeParams(method="taps", budget=20, depth=6, cost=FLAT)
+    taps = build_tree(4, ctx_for(m), params, rho=None)  # a(u) = q: the DDTree order
+    ddtree = build_tree(4, ctx_for(m), TreeParams(method="marginal", budget=20, depth=6))
+    assert taps.tree == ddtree.tree
+    assert taps.path_scores == pytest.approx(ddtree.path_scores)
+
+
+def test_taps_without_a_cost_model_is_refused():
+    m = random_marginals(4, 3)
+    with pytest.raises(ValueError, match="cost model"):
+        build_tree(4, ctx_for(m), TreeParams(method="taps"), rho=ConstantRho())
+
+
+def test_depth_penalty_favours_shallow_trees():
+    m = random_marginals(8, 4, seed=1)
+    base = TreeParams(method="taps", budget=24, depth=8, cost=FLAT)
+    plain = build_taps_tree(4, ctx_for(m), None, base).tree
+    shallow = build_taps_tree(4, ctx_for(m), None, replace(base, depth_penalty=2.0)).tree
+    assert len(shallow.tokens) == len(plain.tokens)  # a flat cost: both take the cap
+    assert sum(shallow.depths) < sum(plain.depths)
