@@ -24,13 +24,16 @@ METHOD_CHOICES = ("ar", *METHODS)
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("drafting")
     g.add_argument("--method", default="presto-beam", choices=METHOD_CHOICES,
-                   help="ar = plain decoding; linear = DFlash; marginal = DDTree; presto-* = PRESTO")
-    g.add_argument("--budget", type=int, default=16, help="draft tree nodes per round (root excluded)")
+                   help="ar = plain decoding; linear = DFlash; marginal = DDTree; presto-* = PRESTO; "
+                        "taps = tree size chosen each round from the verifier's measured cost")
+    g.add_argument("--budget", type=int, default=16,
+                   help="draft tree nodes per round (root excluded); taps: the most it may choose")
     g.add_argument("--depth", type=int, default=15, help="max tree depth (<= block size - 1)")
     g.add_argument("--branching", type=int, default=4, help="presto-beam: children per frontier path")
     g.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
     g.add_argument("--rho", default=None,
-                   help="rho provider for PRESTO: ngram | hphi | constant (default: the drafter's)")
+                   help="rho provider for PRESTO and TAPS: ngram | hphi | constant, taps also marginal "
+                        "(default: the drafter's; taps: hphi when shipped)")
     g.add_argument("--lambda", dest="lambdas", default=None,
                    help="lambda_d: one value or comma-separated per depth (default: the drafter's)")
     s = p.add_argument_group("sampling")
@@ -77,12 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_taps_rho(presto_defaults: dict) -> str | None:
+    """TAPS sums reaches, so it wants calibrated acceptance: h_phi where the drafter has one."""
+    return "hphi" if "hphi" in presto_defaults.get("lambdas_by_rho", {}) else None
+
+
 def generation_params(args: argparse.Namespace, eos: tuple[int, ...], presto_defaults: dict):
     from orchestrator.generate import GenerationParams
     from presto_sd.acceptance import SamplingParams
     from presto_sd.builders import TreeParams
 
     rho = args.rho or presto_defaults.get("rho", "ngram")
+    if args.method == "taps" and not args.rho:
+        rho = default_taps_rho(presto_defaults) or rho
     if args.lambdas is not None:
         lambdas = tuple(float(x) for x in str(args.lambdas).split(","))
     else:  # the lambdas the drafter's acceptance run fitted for this rho, if any

@@ -16,7 +16,7 @@ from presto_sd.builders import TreeParams
 from presto_sd.cli import build_parser
 from tests.conftest import make_engines
 
-ALL = ("ar", "hf-prompt-lookup", "linear", "marginal", "presto-beam", "presto-best-first")
+ALL = ("ar", "hf-prompt-lookup", "linear", "marginal", "presto-beam", "presto-best-first", "taps")
 PROMPTS = [
     BenchPrompt("alpha", "a0", (0, 3, 5, 7)),
     BenchPrompt("alpha", "a1", (0, 1, 1, 2, 3, 5, 8, 13)),
@@ -35,10 +35,10 @@ def test_bench_smoke(tiny_target, tmp_path):
     verifier, drafter = make_engines(tiny_target)
     meta = {"command": "test", "target": "tiny-llama", "drafter": "tiny",
             "machine": machine_info("cpu", "float32")}
-    result = bench(verifier, drafter, PROMPTS, config(), tmp_path, meta, progress=False)
+    result = bench(verifier, drafter, PROMPTS, config(taps_cap=12), tmp_path, meta, progress=False)
 
     for name in ("results.json", "results.md", "runs.jsonl", "budget_sweep.png",
-                 "verify_cost.png", "acceptance_hist.png"):
+                 "verify_cost.png", "acceptance_hist.png", "taps_budgets.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
@@ -46,8 +46,8 @@ def test_bench_smoke(tiny_target, tmp_path):
     assert saved["config"]["budgets"] == [4, 16] and saved["command"] == "test"
 
     rows = saved["rows"]
-    # 6 jobs (ar, the peer, linear, 3 methods x 2 budgets = 9) x (2 datasets + pooled)
-    assert len(rows) == 9 * 3
+    # jobs: ar, the peer, linear, taps, 3 methods x 2 budgets = 10; x (2 datasets + pooled)
+    assert len(rows) == 10 * 3
     for row in rows:
         assert ROW_FIELDS <= set(row), row["method"]
         assert row["lossless"] is True, (row["dataset"], row["method"], row["budget"])
@@ -59,7 +59,9 @@ def test_bench_smoke(tiny_target, tmp_path):
     assert all(r["mean_tree_size"] <= r["budget"] for r in tree_rows)
     assert max(r["tau"] for r in tree_rows) > 1.0  # trees really accept on the tiny target
     runs = (tmp_path / "runs.jsonl").read_text().splitlines()
-    assert len(runs) == 9 * len(PROMPTS)
+    taps = [r for r in rows if r["method"] == "taps"]
+    assert all(0 <= r["mean_tree_size"] <= 12 and r["params"]["cap"] == 12 for r in taps)
+    assert len(runs) == 10 * len(PROMPTS)
     md = (tmp_path / "results.md").read_text()
     assert "| beta | presto-beam | 16 |" in md and "budget_sweep.png" in md
     assert not verifier.sessions and not drafter.sessions

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 DEFAULT_DATASETS = "gsm8k,humaneval,mtbench"
-DEFAULT_METHODS = "ar,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first"
+DEFAULT_METHODS = "ar,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first,taps"
 
 
 def _csv(text: str) -> list[str]:
@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
     t.add_argument("--rho", default=None, help="PRESTO rho provider: ngram | hphi | constant")
     t.add_argument("--lambda", dest="lambdas", default=None, help="lambda_d: one value or per depth")
+    t.add_argument("--taps-cap", type=int, default=64,
+                   help="taps: the most draft nodes a round may choose (default: %(default)s)")
+    t.add_argument("--taps-rho", default=None,
+                   help="taps: acceptance provider hphi | ngram | constant | marginal "
+                        "(default: hphi when the drafter ships it, else --rho)")
     t.add_argument("--lookup-tokens", type=int, default=10,
                    help="hf-prompt-lookup: prompt_lookup_num_tokens (default: %(default)s)")
     s = p.add_argument_group("sampling")
@@ -76,12 +81,13 @@ def load_bench_prompts(args: argparse.Namespace) -> list:
 
 def bench_config(args: argparse.Namespace, eos: tuple[int, ...], presto_defaults: dict):
     from presto_sd.bench.runner import BenchConfig
-    from presto_sd.cli import generation_params
+    from presto_sd.cli import default_taps_rho, generation_params
 
     budgets = tuple(int(b) for b in _csv(args.budgets)) if args.budgets else (args.budget,)
     base = generation_params(argparse.Namespace(**{**vars(args), "method": "linear"}), eos, presto_defaults)
     return BenchConfig(tuple(_csv(args.methods)), budgets, base, args.lookup_tokens,
-                       warmup=not args.no_warmup)
+                       warmup=not args.no_warmup, taps_cap=args.taps_cap,
+                       taps_rho=args.taps_rho or default_taps_rho(presto_defaults))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -82,6 +82,11 @@ def _presto_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, A
     return {**_tree_describe(ctx, params), "rho": t.rho, "lambdas": list(t.lambdas)}
 
 
+def _taps_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
+    t = params.tree
+    return {**_tree_describe(ctx, params), "rho": t.rho, "cap": t.budget}
+
+
 def _beam_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
     t = params.tree
     return {**_presto_describe(ctx, params), "branching": t.branching, "beam": t.beam}
@@ -92,11 +97,14 @@ _DESCRIBE = {
     "marginal": _tree_describe,
     "presto-beam": _beam_describe,
     "presto-best-first": _presto_describe,
+    "taps": _taps_describe,
 }
+# not swept over --budgets: linear drafts the whole block (its size is the depth) and taps
+# picks its own budget every round, up to --taps-cap
+UNBUDGETED = ("linear", "taps")
 
 for _name in TREE_METHODS:
-    # linear (DFlash) drafts the whole block: its size is the depth, not a budget
-    register_method(_name, budgeted=_name != "linear", needs_drafter=True,
+    register_method(_name, budgeted=_name not in UNBUDGETED, needs_drafter=True,
                     describe=_DESCRIBE.get(_name))(_tree_method(_name))
 
 # the transformers peer registers itself on import

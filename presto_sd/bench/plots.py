@@ -113,9 +113,32 @@ def acceptance_histogram(runs: Sequence[RunLog], path: Path) -> Path:
     return path
 
 
+def chosen_budgets(runs: Sequence[RunLog], path: Path) -> Path:
+    """TAPS: the tree size it chose round by round, a line per dataset."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    taps = [r for r in runs if r.method == "taps"]
+    top = max((x.tree_size for r in taps for x in r.rounds), default=1)
+    bins = [b - 0.5 for b in range(0, top + 2)]
+    for j, ds in enumerate(dict.fromkeys(r.dataset for r in taps)):
+        sizes = [x.tree_size for r in taps if r.dataset == ds for x in r.rounds]
+        ax.hist(sizes, bins=bins, density=True, histtype="step", lw=1.4, color=f"C{j}", label=ds)
+    ax.set_xlabel("draft nodes chosen (B*)")
+    ax.set_ylabel("share of rounds")
+    ax.set_title("taps: chosen budget per round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(out: Path, rows: list[dict], runs: Sequence[RunLog]) -> list[Path]:
-    return [
+    plots = [
         budget_sweep(rows, out / "budget_sweep.png"),
         verify_cost(runs, out / "verify_cost.png"),
         acceptance_histogram(runs, out / "acceptance_hist.png"),
     ]
+    if any(r.method == "taps" for r in runs):
+        plots.append(chosen_budgets(runs, out / "taps_budgets.png"))
+    return plots

@@ -44,6 +44,8 @@ class BenchConfig:
     params: GenerationParams  # tree settings, sampling, max_new_tokens, stop ids
     lookup_tokens: int = 10
     warmup: bool = True
+    taps_cap: int = 64  # taps: the most nodes a round may choose
+    taps_rho: str | None = None  # taps: its acceptance provider (None: params.tree.rho)
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -73,7 +75,9 @@ class BenchConfig:
     def job_params(self, job: Job, seed_offset: int) -> GenerationParams:
         p = self.params
         tree = p.tree if job.budget is None else replace(p.tree, budget=job.budget)
-        if job.budget is None and job.method != "ar":
+        if job.method == "taps":
+            tree = replace(tree, budget=self.taps_cap, rho=self.taps_rho or tree.rho)
+        elif job.budget is None and job.method != "ar":
             tree = replace(tree, budget=max(tree.budget, tree.depth))
         seed = p.sampling.seed
         sampling = p.sampling if seed is None else replace(p.sampling, seed=seed + seed_offset)
@@ -160,6 +164,7 @@ def bench(
             "tree": {"depth": p.tree.depth, "branching": p.tree.branching, "beam": p.tree.beam,
                      "top_k": p.tree.top_k, "rho": p.tree.rho, "lambdas": list(p.tree.lambdas)},
             "lookup_tokens": config.lookup_tokens,
+            "taps": {"cap": config.taps_cap, "rho": config.taps_rho or p.tree.rho},
         },
     }
     out.mkdir(parents=True, exist_ok=True)
