@@ -17,7 +17,7 @@ from verifier_service.engine import Verifier
 
 class RoundCostTracker:
     def __init__(self, verifier: Verifier) -> None:
-        prior = verifier.info().cost or verifier.calibrate_cost()
+        prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
         self.verify = OnlineCostModel(prior=prior)

@@ -12,7 +12,7 @@ from drafter_service.remote import RemoteDrafter
 from orchestrator.generate import GenerationParams, generate
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from presto_sd.builders import TreeParams
-from presto_sd.messages import FeatureDelta
+from presto_sd.messages import FeatureDelta, InvalidArgumentError
 from presto_sd.rpc import wire
 from presto_sd.rpc.client import make_channel
 from tests.conftest import hf_greedy, make_engines
@@ -60,9 +60,31 @@ def test_ar_over_grpc(tiny_target, stack):
     assert res.token_ids == hf_greedy(tiny_target, PROMPTS[0], 12)
 
 
+def test_taps_over_grpc_carries_the_cost_model_and_is_lossless(tiny_target, stack):
+    verifier, drafter, remote_v, remote_d, _, _ = stack
+    fit = verifier.calibrate_cost()
+    assert remote_v.cost_model() == verifier.cost_model() and fit.n_obs > 0
+    for prompt in PROMPTS:
+        res = generate(remote_v, remote_d, prompt, _params("taps", 24, budget=16, depth=8))
+        assert res.token_ids == hf_greedy(tiny_target, prompt, 24)
+    assert not verifier.sessions and not drafter.sessions  # calibration's sessions closed too
+
+
+def test_taps_without_a_cost_model_is_invalid_argument(stack):
+    _, _, remote_v, remote_d, _, _ = stack
+    pre = remote_v.prefill("no-cost", PROMPTS[0])
+    remote_d.prefill("no-cost", pre.delta)
+    try:
+        with pytest.raises(InvalidArgumentError, match="cost model"):
+            remote_d.draft("no-cost", pre.anchor, pre.base, TreeParams(method="taps"))
+    finally:
+        remote_v.close("no-cost")
+        remote_d.close("no-cost")
+
+
 def test_info_over_grpc(stack):
     verifier, drafter, remote_v, remote_d, _, _ = stack
-    assert remote_v.info() == verifier.info()
+    assert remote_v.info(fresh=True) == verifier.info()
     assert remote_d.info() == drafter.info()
 
 

@@ -112,13 +112,17 @@ class Verifier(ABC):
         """One plain AR token: the verification of a root-only tree."""
         return self.verify(session_id, base, TokenTree.root_only(self.anchor(session_id)))
 
+    def cost_model(self) -> CostFit | None:
+        """The live fit of forward seconds vs tree size and context (None: uncalibrated)."""
+        return self.info().cost
+
     def calibrate_cost(self) -> CostFit | None:
         """Measure forwards over a range of tree sizes and contexts; the fitted cost model.
 
         Engines that time their own forwards override this; a client of a remote verifier
-        gets the server's fit (calibrated at its start-up) from ``info()``.
+        gets the server's fit (calibrated at its start-up).
         """
-        return self.info().cost
+        return self.cost_model()
 
     @abstractmethod
     def anchor(self, session_id: str) -> int:

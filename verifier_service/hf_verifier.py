@@ -77,7 +77,7 @@ class HFVerifier(Verifier):
         self._cache_kwarg = cache_kwarg(self.decoder)
         self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
-        self.cost_model = OnlineCostModel()
+        self.forward_costs = OnlineCostModel()
 
     @property
     def device(self) -> torch.device:
@@ -92,13 +92,13 @@ class HFVerifier(Verifier):
             eos_token_ids=self.eos_token_ids,
             target_layer_ids=self.target_layer_ids,
             limits=self.limits,
-            cost=self.cost_model.fit,
+            cost=self.forward_costs.fit,
         )
 
     def calibrate_cost(self) -> CostFit:
         """Time forwards over tree sizes and contexts; later forwards refine the fit."""
         fit = calibrate_verify_cost(self)
-        self.cost_model = OnlineCostModel(prior=fit)
+        self.forward_costs = OnlineCostModel(prior=fit)
         return fit
 
     # -- sessions -----------------------------------------------------------------------
@@ -115,17 +115,24 @@ class HFVerifier(Verifier):
     def _forward(
         self, cache: DynamicCache, input_ids: list[int], positions: torch.Tensor, mask
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states [T, H] and target-layer features [T, F]."""
+        """One sequence: final hidden states [T, H] and target-layer features [T, F]."""
+        hidden, feats = self._forward_rows(cache, torch.tensor([input_ids]), positions[None], mask)
+        return hidden[0], feats[0]
+
+    def _forward_rows(
+        self, cache: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor, mask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, T]: final hidden states [R, T, H] and target-layer features [R, T, F]."""
         out = self.decoder(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=positions[None].to(self.device),
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
             attention_mask=mask,
             use_cache=True,
             output_hidden_states=True,
             **{self._cache_kwarg: cache},
         )
-        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.target_layer_ids], dim=-1)
-        return out.last_hidden_state[0], feats
+        feats = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        return out.last_hidden_state, feats
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -166,6 +173,45 @@ class HFVerifier(Verifier):
     def verify(
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
+        s = self._check(session_id, base, tree)
+        return self._verify_in_place(s, base, tree, want_node_probs)
+
+    @torch.inference_mode()
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
+        """Every valid call's tree in ONE target forward (``packing``: packed or padded rows).
+
+        Each call is checked as ``verify`` checks it, and a session named twice is refused
+        the second time (INVALID_ARGUMENT); a refused call gets its error in its slot and
+        stays out of the forward, its session untouched. The forward runs on a temporary
+        cache gathered from the sessions' caches; each session then walks its own nodes
+        with its own generator (so draws are those of sequential ``verify``) and appends
+        the accepted path's KV. A failure anywhere leaves every session at its base.
+        """
+        out: list[VerifyResult | EngineError | None] = [None] * len(calls)
+        todo: list[tuple[int, _Session]] = []
+        seen: set[str] = set()
+        for j, c in enumerate(calls):
+            try:
+                if c.session_id in seen:
+                    raise InvalidArgumentError(
+                        f"verify_batch.calls[{j}]: session {c.session_id!r} is already in this batch"
+                    )
+                seen.add(c.session_id)
+                todo.append((j, self._check(c.session_id, c.base, c.tree)))
+            except EngineError as e:
+                out[j] = e
+        if len(todo) == 1:  # nothing to batch: the session's own cache, no gather
+            (j, s), = todo
+            out[j] = self._verify_in_place(s, calls[j].base, calls[j].tree, calls[j].want_node_probs)
+        elif todo:
+            results = self._verify_together([(s, calls[j]) for j, s in todo])
+            for (j, _), r in zip(todo, results):
+                out[j] = r
+        return out
+
+    # -- verification steps, shared by verify and verify_batch ----------------------------
+    def _check(self, session_id: str, base: int, tree: TokenTree) -> _Session:
+        """The session, if the call may run on it; the named error otherwise."""
         s = self.sessions.touch(session_id)
         check_base(session_id, s.base, base)
         try:
@@ -184,28 +230,66 @@ class HFVerifier(Verifier):
                 f"verify: context {base + tree.max_depth + 1} would exceed max_context "
                 f"{self.limits.max_context}"
             )
-        n = len(tree.tokens)
-        mask = None
-        if n > 1:
-            mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
-        try:
-            t0 = time.perf_counter()
-            hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
-            if self.cost_model.prior is not None:  # refine the calibrated fit, never replace it
-                self.cost_model.observe(n, base, time.perf_counter() - t0)
-            if want_node_probs:  # traces need every node's parent distribution
-                logits = self._logits(hidden)
-                walk = walk_tree(tree, logits, s.sampling, s.generator)
-                node_probs = node_token_probs(tree, logits, s.sampling).cpu()
-            else:  # only the walked nodes need logits: lazily, one row per step
-                walk = walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator)
-                node_probs = None
-        except BaseException:
-            _compact_cache(s.cache, torch.arange(base, device=self.device))  # never half-applied
-            raise
+        return s
 
+    def _verify_in_place(
+        self, s: _Session, base: int, tree: TokenTree, want_node_probs: bool
+    ) -> VerifyResult:
+        """The forward on the session's own cache, the walk, then keep the accepted path."""
+        mask = None
+        if len(tree.tokens) > 1:
+            mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
+        rng = s.generator.get_state()
+        try:
+            hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
+            walk, node_probs = self._walk(s, tree, hidden, want_node_probs)
+        except BaseException:
+            _rollback(s, base, rng)  # never half-applied
+            raise
         keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
         _compact_cache(s.cache, keep)
+        return self._commit(s, base, tree, walk, feats, node_probs)
+
+    def _verify_together(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
+        """Checked calls on distinct sessions: forward(s) and walks first, commits after."""
+        trees, bases = [c.tree for _, c in items], [c.base for _, c in items]
+        rngs = [s.generator.get_state() for s, _ in items]
+        walked: list[tuple[WalkResult, torch.Tensor | None, torch.Tensor, KV]] = []
+        try:
+            for group, batch in plan_batches(trees, bases, self._cost, self.batch_layout):
+                cache = gather_cache([items[i][0].cache for i in group], batch)
+                mask = batch.attention_mask(self.model.dtype).to(self.device)
+                hidden, feats = self._forward_rows(cache, batch.input_ids(), batch.position_ids(), mask)
+                for k, i in enumerate(group):
+                    (s, c), (r, _, q) = items[i], batch.slot(k)
+                    nodes = slice(q, q + len(c.tree.tokens))
+                    walk, node_probs = self._walk(s, c.tree, hidden[r, nodes], c.want_node_probs)
+                    walked.append((walk, node_probs, feats[r, nodes], node_kv(cache, batch, k, walk.path)))
+            results = []
+            for (s, c), (walk, node_probs, f, kv) in zip(items, walked):
+                append_kv(s.cache, kv)
+                results.append(self._commit(s, c.base, c.tree, walk, f, node_probs))
+        except BaseException:
+            for (s, c), rng in zip(items, rngs):
+                _rollback(s, c.base, rng)
+            raise
+        return results
+
+    def _walk(
+        self, s: _Session, tree: TokenTree, hidden: torch.Tensor, want_node_probs: bool
+    ) -> tuple[WalkResult, torch.Tensor | None]:
+        """Sample-and-match over the tree's hidden states [N, H], with the session's generator."""
+        if want_node_probs:  # traces need every node's parent distribution
+            logits = self._logits(hidden)
+            return walk_tree(tree, logits, s.sampling, s.generator), node_token_probs(tree, logits, s.sampling).cpu()
+        # only the walked nodes need logits: lazily, one row per step
+        return walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator), None
+
+    def _commit(
+        self, s: _Session, base: int, tree: TokenTree, walk: WalkResult, feats: torch.Tensor,
+        node_probs: torch.Tensor | None,
+    ) -> VerifyResult:
+        """Commit the accepted path and the bonus (the KV cache already holds the path)."""
         path_tokens = [tree.tokens[i] for i in walk.path]
         s.tokens.extend([*path_tokens[1:], walk.bonus])
         delta = FeatureDelta(base, tuple(path_tokens), feats[torch.tensor(walk.path)].cpu())
@@ -217,6 +301,13 @@ class HFVerifier(Verifier):
             node_probs=node_probs,
             accepted_nodes=tuple(walk.path),
         )
+
+
+def _rollback(s: _Session, base: int, rng: torch.Tensor) -> None:
+    """Back to ``base``: the KV, the committed tokens and the generator's state."""
+    _compact_cache(s.cache, torch.arange(base))
+    del s.tokens[base + 1 :]
+    s.generator.set_state(rng)
 
 
 def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:

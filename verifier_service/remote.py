@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.acceptance import SamplingParams
+from presto_sd.cost_model import CostFit
 from presto_sd.messages import SessionNotFoundError, VerifierUnavailableError
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.wire import sampling_to_pb, session_ref_to_pb, tree_to_pb
@@ -30,11 +31,15 @@ class RemoteVerifier(Verifier):
         self._anchors: dict[str, int] = {}  # pending anchor per session, from the last answer
         self._info: VerifierInfo | None = None
 
-    def info(self) -> VerifierInfo:
-        if self._info is None:
+    def info(self, fresh: bool = False) -> VerifierInfo:
+        """The server's Info, fetched once (``fresh``: again, for its live cost model)."""
+        if self._info is None or fresh:
             msg = self.rpc.call(self.stub.Info, common_pb2.InfoRequest(), self.timeout_s)
             self._info = wire.info_from_pb(msg)
         return self._info
+
+    def cost_model(self) -> CostFit | None:
+        return self.info(fresh=True).cost
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -48,7 +48,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
 
 
 def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions):
-    """The target as an ``HFVerifier`` emitting the features the drafter was trained on."""
+    """The target as an ``HFVerifier`` emitting the features the drafter was trained on,
+    its cost model calibrated (a few seconds of forwards, before the server is SERVING)."""
     from drafter_service.dflash_model import DFlashConfig
     from presto_sd.models import (
         eos_token_ids,
@@ -63,7 +64,9 @@ def load_verifier(target: str | None, drafter: str | None, max_sessions: int = V
     spec = resolve_drafter(drafter, target)
     config = read_json(spec.path / "config.json") if spec.path else random_drafter_config(model.config)
     layer_ids = DFlashConfig.from_dict(config).target_layer_ids
-    return HFVerifier(
+    verifier = HFVerifier(
         model, layer_ids, VerifierLimits(max_sessions=max_sessions),
         eos_token_ids=eos_token_ids(model, tok), name=target or "SmolLM2-135M-Instruct",
     )
+    verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
+    return verifier

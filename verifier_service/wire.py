@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from presto_pb.v1 import verifier_pb2 as pb
-from presto_sd.rpc.wire import delta_from_pb, delta_to_pb, tensor_from_pb, tensor_to_pb
+from presto_sd.rpc.wire import (
+    cost_from_pb,
+    cost_to_pb,
+    delta_from_pb,
+    delta_to_pb,
+    tensor_from_pb,
+    tensor_to_pb,
+)
 from presto_sd.tree import TreeLimits
 from verifier_service.engine import PrefillResult, VerifierInfo, VerifierLimits, VerifyResult
 
@@ -42,6 +49,7 @@ def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:
     return pb.VerifierInfo(
         model=i.model, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
         eos_token_ids=i.eos_token_ids, target_layer_ids=i.target_layer_ids, limits=limits,
+        cost=cost_to_pb(i.cost),
     )
 
 
@@ -52,4 +60,5 @@ def info_from_pb(msg: pb.VerifierInfo) -> VerifierInfo:
         model=msg.model, dtype=msg.dtype, device=msg.device, vocab_size=msg.vocab_size,
         eos_token_ids=tuple(msg.eos_token_ids), target_layer_ids=tuple(msg.target_layer_ids),
         limits=VerifierLimits(lim.max_sessions, lim.max_context, tree),
+        cost=cost_from_pb(msg.cost) if msg.HasField("cost") else None,
     )

@@ -38,8 +38,22 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class CostFit(_message.Message):
+    __slots__ = ("intercept_s", "per_node_s", "per_context_s", "per_node_context_s", "n_obs")
+    INTERCEPT_S_FIELD_NUMBER: _ClassVar[int]
+    PER_NODE_S_FIELD_NUMBER: _ClassVar[int]
+    PER_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
+    PER_NODE_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
+    N_OBS_FIELD_NUMBER: _ClassVar[int]
+    intercept_s: float
+    per_node_s: float
+    per_context_s: float
+    per_node_context_s: float
+    n_obs: int
+    def __init__(self, intercept_s: _Optional[float] = ..., per_node_s: _Optional[float] = ..., per_context_s: _Optional[float] = ..., per_node_context_s: _Optional[float] = ..., n_obs: _Optional[int] = ...) -> None: ...
+
 class TreeParams(_message.Message):
-    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k")
+    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +62,10 @@ class TreeParams(_message.Message):
     LAMBDAS_FIELD_NUMBER: _ClassVar[int]
     RHO_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_PENALTY_S_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     method: str
     budget: int
     depth: int
@@ -56,7 +74,11 @@ class TreeParams(_message.Message):
     lambdas: _containers.RepeatedScalarFieldContainer[float]
     rho: str
     top_k: int
-    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
+    cost: CostFit
+    draft_s: float
+    node_penalty_s: float
+    depth_penalty: float
+    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id", "base")

@@ -74,7 +74,7 @@ class VerifierLimits(_message.Message):
     def __init__(self, max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits")
+    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits", "cost")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class VerifierInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -89,4 +90,5 @@ class VerifierInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     limits: VerifierLimits
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ...) -> None: ...
+    cost: _common_pb2.CostFit
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ..., cost: _Optional[_Union[_common_pb2.CostFit, _Mapping]] = ...) -> None: ...

@@ -15,6 +15,7 @@ import torch
 from presto_pb.v1 import common_pb2 as pb
 from presto_sd.acceptance import SamplingParams
 from presto_sd.builders import TreeParams
+from presto_sd.cost_model import CostFit
 from presto_sd.messages import FeatureDelta, InvalidArgumentError
 from presto_sd.tree import TokenTree
 
@@ -103,17 +104,37 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         raise InvalidArgumentError(str(e)) from None
 
 
+def cost_to_pb(c: CostFit | None) -> pb.CostFit | None:
+    return None if c is None else pb.CostFit(
+        intercept_s=c.intercept_s, per_node_s=c.per_node_s, per_context_s=c.per_context_s,
+        per_node_context_s=c.per_node_context_s, n_obs=c.n_obs,
+    )
+
+
+def cost_from_pb(msg: pb.CostFit, field: str = "cost") -> CostFit:
+    fit = CostFit(msg.intercept_s, msg.per_node_s, msg.per_context_s, msg.per_node_context_s, msg.n_obs)
+    if not all(math.isfinite(x) and x >= 0 for x in fit.coeffs):
+        raise InvalidArgumentError(f"{field}: coefficients {fit.coeffs} must be finite and >= 0")
+    return fit
+
+
 def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
     return pb.TreeParams(
         method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
-        lambdas=p.lambdas, rho=p.rho, top_k=p.top_k,
+        lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, cost=cost_to_pb(p.cost), draft_s=p.draft_s,
+        node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty,
     )
 
 
 def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
     kwargs = _set_fields(msg, TreeParams)
+    if msg.HasField("cost"):
+        kwargs["cost"] = cost_from_pb(msg.cost, "tree.cost")
     if any(not math.isfinite(lam) for lam in kwargs.get("lambdas", ())):
         raise InvalidArgumentError(f"tree.lambdas = {kwargs['lambdas']}: must be finite")
+    for name in ("draft_s", "node_penalty_s", "depth_penalty"):
+        if not math.isfinite(kwargs.get(name, 0.0)):
+            raise InvalidArgumentError(f"tree.{name}: must be finite")
     try:
         return TreeParams(**kwargs)
     except ValueError as e:
