@@ -143,3 +143,96 @@ def tree_attention_mask(
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """Several sessions' trees laid out for ONE target forward (batched verification).
+
+    The batch has one row per entry of ``rows`` (tree indices). A row's keys are its trees'
+    committed prefixes side by side, right-aligned (left padding fills the rest of
+    ``prefix_len``), then the row's new nodes in order (right padding fills the rest of
+    ``query_len``); the queries are those nodes. ``packed`` puts every tree in one row,
+    ``padded`` gives each its own. A node sees its own tree's prefix and its own
+    ancestors only, at position ``base + depth``: per tree, exactly ``tree_attention_mask``.
+    """
+
+    trees: tuple[TokenTree, ...]
+    bases: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+    # per tree: (row, first key of its prefix, first query of its nodes)
+    _slots: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.trees or len(self.bases) != len(self.trees):
+            raise ValueError(f"TreeBatch: {len(self.trees)} trees and {len(self.bases)} bases")
+        if sorted(i for row in self.rows for i in row) != list(range(len(self.trees))) or not all(self.rows):
+            raise ValueError(f"TreeBatch.rows = {self.rows}: must split the {len(self.trees)} trees")
+        slots: list[tuple[int, int, int]] = [(0, 0, 0)] * len(self.trees)
+        for r, row in enumerate(self.rows):
+            key = self.prefix_len - sum(self.bases[i] for i in row)
+            query = 0
+            for i in row:
+                slots[i] = (r, key, query)
+                key += self.bases[i]
+                query += len(self.trees[i].tokens)
+        object.__setattr__(self, "_slots", tuple(slots))
+
+    @classmethod
+    def packed(cls, trees: list[TokenTree], bases: list[int]) -> TreeBatch:
+        return cls(tuple(trees), tuple(bases), (tuple(range(len(trees))),))
+
+    @classmethod
+    def padded(cls, trees: list[TokenTree], bases: list[int]) -> TreeBatch:
+        return cls(tuple(trees), tuple(bases), tuple((i,) for i in range(len(trees))))
+
+    # -- sizes --------------------------------------------------------------------------
+    @property
+    def prefix_len(self) -> int:
+        """Cache length of the batch: the longest row of prefixes."""
+        return max(sum(self.bases[i] for i in row) for row in self.rows)
+
+    @property
+    def query_len(self) -> int:
+        """New tokens per row: the most nodes any row holds."""
+        return max(sum(len(self.trees[i].tokens) for i in row) for row in self.rows)
+
+    def slot(self, i: int) -> tuple[int, int, int]:
+        """Tree ``i``'s row, the first key of its prefix, the first query of its nodes."""
+        return self._slots[i]
+
+    def cost(self, flops_per_token: float, flops_per_pair: float) -> float:
+        """Forward FLOPs, padding included: per token (the linear layers), per query-key pair."""
+        tokens = len(self.rows) * self.query_len
+        return tokens * flops_per_token + tokens * (self.prefix_len + self.query_len) * flops_per_pair
+
+    # -- the forward's inputs -----------------------------------------------------------
+    def input_ids(self, pad_id: int = 0) -> torch.Tensor:
+        """Tokens [R, query_len]; padding slots hold ``pad_id``."""
+        ids = torch.full((len(self.rows), self.query_len), pad_id, dtype=torch.long)
+        for tree, (r, _, q) in zip(self.trees, self._slots):
+            ids[r, q : q + len(tree.tokens)] = torch.tensor(tree.tokens)
+        return ids
+
+    def position_ids(self) -> torch.Tensor:
+        """Positions ``base + depth`` [R, query_len]; padding slots hold 0."""
+        pos = torch.zeros((len(self.rows), self.query_len), dtype=torch.long)
+        for tree, base, (r, _, q) in zip(self.trees, self.bases, self._slots):
+            pos[r, q : q + len(tree.tokens)] = tree.position_ids(base)
+        return pos
+
+    def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Additive mask [R, 1, query_len, prefix_len + query_len], block-diagonal per tree.
+
+        A padding query sees only itself, so no softmax row is empty.
+        """
+        p, q_len = self.prefix_len, self.query_len
+        allowed = torch.zeros(len(self.rows), q_len, p + q_len, dtype=torch.bool)
+        allowed[:, :, p:] = torch.eye(q_len, dtype=torch.bool)
+        for tree, base, (r, k, q) in zip(self.trees, self.bases, self._slots):
+            n = len(tree.tokens)
+            allowed[r, q : q + n, k : k + base] = True
+            allowed[r, q : q + n, p + q : p + q + n] = tree.ancestor_mask()
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]

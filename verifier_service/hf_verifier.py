@@ -9,14 +9,22 @@ decoding of the same tokens produces (tests hold this).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from presto_sd.acceptance import SamplingParams, node_token_probs, sample_token, walk_tree
+from presto_sd.acceptance import (
+    SamplingParams,
+    WalkResult,
+    node_token_probs,
+    sample_token,
+    walk_tree,
+)
 from presto_sd.cost_model import CostFit, OnlineCostModel
 from presto_sd.messages import (
+    EngineError,
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
@@ -31,7 +39,17 @@ from verifier_service.engine import (
     Verifier,
     VerifierInfo,
     VerifierLimits,
+    VerifyCall,
     VerifyResult,
+)
+from verifier_service.packing import (
+    KV,
+    LAYOUTS,
+    ForwardCost,
+    append_kv,
+    gather_cache,
+    node_kv,
+    plan_batches,
 )
 
 
@@ -56,7 +74,10 @@ class HFVerifier(Verifier):
         limits: VerifierLimits = VerifierLimits(),
         eos_token_ids: tuple[int, ...] = (),
         name: str = "",
+        batch_layout: str = "auto",  # verify_batch: auto | packed | padded (verifier_service.packing)
     ) -> None:
+        if batch_layout not in LAYOUTS:
+            raise ValueError(f"batch_layout {batch_layout!r}: not one of {LAYOUTS}")
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -78,6 +99,7 @@ class HFVerifier(Verifier):
         self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
+        self.batch_layout, self._flops = batch_layout, ForwardCost.of(model)
 
     @property
     def device(self) -> torch.device:
@@ -235,13 +257,19 @@ class HFVerifier(Verifier):
     def _verify_in_place(
         self, s: _Session, base: int, tree: TokenTree, want_node_probs: bool
     ) -> VerifyResult:
-        """The forward on the session's own cache, the walk, then keep the accepted path."""
+        """The forward on the session's own cache, the walk, then keep the accepted path.
+
+        Only these single-tree forwards refine the cost model (TAPS's ``c(B)`` is per tree).
+        """
         mask = None
         if len(tree.tokens) > 1:
             mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
         rng = s.generator.get_state()
         try:
+            t0 = time.perf_counter()
             hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
+            if self.forward_costs.prior is not None:  # refine the calibrated fit, never replace it
+                self.forward_costs.observe(len(tree.tokens), base, time.perf_counter() - t0)
             walk, node_probs = self._walk(s, tree, hidden, want_node_probs)
         except BaseException:
             _rollback(s, base, rng)  # never half-applied
@@ -256,7 +284,7 @@ class HFVerifier(Verifier):
         rngs = [s.generator.get_state() for s, _ in items]
         walked: list[tuple[WalkResult, torch.Tensor | None, torch.Tensor, KV]] = []
         try:
-            for group, batch in plan_batches(trees, bases, self._cost, self.batch_layout):
+            for group, batch in plan_batches(trees, bases, self._flops, self.batch_layout):
                 cache = gather_cache([items[i][0].cache for i in group], batch)
                 mask = batch.attention_mask(self.model.dtype).to(self.device)
                 hidden, feats = self._forward_rows(cache, batch.input_ids(), batch.position_ids(), mask)
@@ -281,7 +309,8 @@ class HFVerifier(Verifier):
         """Sample-and-match over the tree's hidden states [N, H], with the session's generator."""
         if want_node_probs:  # traces need every node's parent distribution
             logits = self._logits(hidden)
-            return walk_tree(tree, logits, s.sampling, s.generator), node_token_probs(tree, logits, s.sampling).cpu()
+            walk = walk_tree(tree, logits, s.sampling, s.generator)
+            return walk, node_token_probs(tree, logits, s.sampling).cpu()
         # only the walked nodes need logits: lazily, one row per step
         return walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator), None
 
