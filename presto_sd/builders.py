@@ -125,8 +125,10 @@ def build_linear_tree(anchor: int, marginals: DraftMarginals, params: TreeParams
 
 
 def _best_first(
-    anchor: int, max_depth: int, budget: int, scorer: NodeScorer
+    anchor: int, max_depth: int, budget: int, scorer: NodeScorer,
+    stop: Callable[[float], bool] | None = None,
 ) -> BuiltTree:
+    """Pop the best open node until ``budget`` nodes (or ``stop(its path score)``)."""
     tokens, parents, scores, prefixes = [anchor], [-1], [0.0], [[]]
     children: dict[int, tuple[list[int], list[float]]] = {}  # node -> sorted candidates
     heap: list[tuple[float, int, int, int]] = []  # (-S, tiebreak, parent, rank)
@@ -157,6 +159,8 @@ def _best_first(
         scores.append(-neg_s)
         prefixes.append(prefixes[parent] + [tok])
         depths.append(depths[parent] + 1)
+        if stop is not None and stop(-neg_s):
+            break
         push_child(parent, rank + 1)
         expand(node, depths[node])
     return BuiltTree(TokenTree(tuple(tokens), tuple(parents), tuple(depths)), tuple(scores))
@@ -206,6 +210,29 @@ def build_presto_beam_tree(
     return BuiltTree(TokenTree(tuple(tokens), tuple(parents), tuple(depths)), tuple(scores))
 
 
+def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
+    """Stop popping once no bigger tree can beat the best rate so far (exact, no penalty).
+
+    The cost is linear in the node count (``m`` seconds a node) and reach never grows in
+    pop order, so after a pop of reach ``r`` every larger tree's rate is at most
+    ``max(best so far, r / m)``: once ``r / m <= best`` the answer is among the popped.
+    """
+    cost = params.cost
+    per_node = cost.per_node_s + cost.per_node_context_s * base / 1024 + params.node_penalty_s
+    fixed = params.draft_s + float(cost.seconds(1, base))
+    state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(fixed, 1e-9)}
+
+    def stop(log_reach: float) -> bool:
+        reach = math.exp(log_reach)
+        state["nodes"] += 1
+        state["expected"] += reach
+        rate = (1 + state["expected"]) / max(fixed + per_node * state["nodes"], 1e-9)
+        state["best"] = max(state["best"], rate)
+        return per_node > 0 and reach <= state["best"] * per_node
+
+    return stop
+
+
 def build_taps_tree(
     anchor: int, ctx: ScoringContext, rho: RhoProvider | None, params: TreeParams
 ) -> BuiltTree:
@@ -213,11 +240,13 @@ def build_taps_tree(
     if params.cost is None:
         raise ValueError("tree.method 'taps' needs tree.cost: the verifier's cost model (its Info)")
     depth = min(params.depth, ctx.marginals.depth)
-    full = _best_first(anchor, depth, params.budget, AcceptanceScorer(ctx, rho, params.depth_penalty))
+    base = len(ctx.context_tokens) - 1
+    stop = None if params.depth_penalty > 0 else _taps_early_stop(params, base)
+    scorer = AcceptanceScorer(ctx, rho, params.depth_penalty)
+    full = _best_first(anchor, depth, params.budget, scorer, stop)
     t = full.tree
     # pop order is node order; the depth penalty steers the ranking, not the reach
     reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
-    base = len(ctx.context_tokens) - 1
     choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
