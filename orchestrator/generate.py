@@ -49,6 +49,7 @@ class RoundStats:
     build_s: float  # tree building + scoring, inside draft_s
     verify_s: float
     commit_s: float
+    fallback: bool = False  # a plain AR step because the drafter could not give a tree
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,8 @@ def stream_generate(
                 fixed_s = (t1 - t0) + (t3 - t2) if d is not None else 0.0
                 costs.observe(size + 1, base, fixed_s, t2 - t1)
             anchor, base = res.bonus, res.base
-            stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2)
+            fallback = draft is not None and depth >= 1 and d is None
+            stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback)
             yield TokenChunk(stopper.accept(res.new_tokens), stats, stopper.finish_reason)
     finally:
         target.close()

@@ -1,0 +1,133 @@
+"""Ray actors that each hold one engine: a drafter or a verifier replica (DESIGN.md §3).
+
+An actor builds its engine in its own process from a picklable factory: the in-process
+engines (``load_local``: the models loaded inside the actor) or the gRPC clients of
+remote servers (``connect_remote``). It runs one call at a time (the engines are not
+thread-safe; the servers queue anyway), times each call, and hands refusals back as values
+(``Outcome.error``) so the driver re-raises the engine's own named error.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from presto_sd.messages import EngineError
+from presto_sd.rpc.client import ClientConfig
+from presto_sd.rpc.errors import RemoteError
+
+KINDS = ("drafter", "verifier")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    value: Any  # the engine method's return value (None on error)
+    error: EngineError | None  # the refusal, as the engine raised it
+    busy_s: float  # seconds the engine spent on the call
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    busy_s: float  # total seconds inside engine calls since the actor started
+    calls: int
+    uptime_s: float
+    sessions: int | None  # open sessions (in-process engines only)
+
+
+class EngineActor:
+    """One engine in a Ray actor process; ``call`` runs any of its methods."""
+
+    def __init__(self, factory: Callable[[], Any], threads: int | None = None) -> None:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)  # speed switch at the entry point, per process
+        self.engine = factory()
+        self.busy_s, self.calls, self.started = 0.0, 0, time.monotonic()
+
+    def call(self, method: str, *args: Any) -> Outcome:
+        t0 = time.perf_counter()
+        try:
+            value, error = getattr(self.engine, method)(*args), None
+            if method == "verify_batch":  # per-call refusals travel inside the list
+                value = [_portable(v) if isinstance(v, EngineError) else v for v in value]
+        except EngineError as e:
+            value, error = None, _portable(e)
+        busy = time.perf_counter() - t0
+        self.busy_s += busy
+        self.calls += 1
+        return Outcome(value, error, busy)
+
+    def stats(self) -> EngineStats:
+        sessions = getattr(self.engine, "sessions", None)
+        return EngineStats(self.busy_s, self.calls, time.monotonic() - self.started,
+                           None if sessions is None else len(sessions))
+
+
+def _portable(e: EngineError) -> EngineError:
+    """RemoteError's (code, message) constructor does not survive pickling: send its text."""
+    if isinstance(e, RemoteError):
+        return EngineError(str(e))
+    return e
+
+
+# -- what an actor builds ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaSpec:
+    kind: str  # "drafter" | "verifier"
+    name: str  # the label in metrics and logs: the server address, or "local-<i>"
+    factory: Callable[[], Any]  # picklable; runs in the actor's process
+    threads: int | None = None  # torch threads in the actor
+    num_cpus: float = 0.0  # Ray resources; 0 so that a 2-CPU node still places every actor
+    num_gpus: float = 0.0
+    max_restarts: int = 0  # Ray restarts a crashed actor this often (its sessions are lost)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"replica kind {self.kind!r}: one of {KINDS}")
+
+
+def _load_local(kind: str, target: str | None, drafter: str | None) -> Any:
+    """The in-process engine, as ``presto-sd serve`` loads it."""
+    if kind == "verifier":
+        from verifier_service.servicer import load_verifier
+
+        return load_verifier(target, drafter)
+    from drafter_service.servicer import load_drafter
+
+    return load_drafter(target, drafter)[0]
+
+
+def _connect_remote(kind: str, address: str, config: ClientConfig) -> Any:
+    if kind == "verifier":
+        from verifier_service.remote import RemoteVerifier
+
+        return RemoteVerifier(address, config)
+    from drafter_service.remote import RemoteDrafter
+
+    return RemoteDrafter(address, config)
+
+
+def local_spec(kind: str, index: int, target: str | None, drafter: str | None,
+               threads: int | None = None, num_gpus: float = 0.0) -> ReplicaSpec:
+    return ReplicaSpec(kind, f"local-{index}", functools.partial(_load_local, kind, target, drafter),
+                       threads, num_gpus=num_gpus, max_restarts=3)
+
+
+def remote_spec(kind: str, address: str, config: ClientConfig | None = None) -> ReplicaSpec:
+    factory = functools.partial(_connect_remote, kind, address, config or ClientConfig())
+    return ReplicaSpec(kind, address, factory)
+
+
+def start_actor(spec: ReplicaSpec) -> ray.actor.ActorHandle:
+    """Start the actor (the engine loads in the background; the first call waits for it)."""
+    cls = ray.remote(EngineActor).options(
+        num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=spec.max_restarts,
+        max_concurrency=1, name=None,
+    )
+    return cls.remote(spec.factory, spec.threads)

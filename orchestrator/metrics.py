@@ -1,0 +1,122 @@
+"""The orchestrator's metrics, through ``ray.util.metrics`` (DESIGN.md §3, operations).
+
+Ray's per-node metrics agent (``ray[default]``) exports them for Prometheus on the node's
+metrics export port (``ray start --metrics-export-port``, or ``ray.init(_metrics_export_
+port=...)``) with a ``ray_`` prefix; counters gain ``_total`` and histograms ``_bucket`` /
+``_sum`` / ``_count``: ``presto_tokens_committed`` is scraped as
+``ray_presto_tokens_committed_total``. ``helm/presto-sd/dashboards/presto-sd.json`` plots
+exactly those names. Every value is also tallied here (``tallies``) for tests and the
+benchmark, which need no scrape.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as Tally
+
+from ray.util import metrics as rm
+
+# tau per round: accepted draft tokens + 1
+ACCEPT_BOUNDS = [float(b) for b in range(1, 17)]
+TREE_BOUNDS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]
+SECONDS_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+PHASES = ("draft", "verify", "queue", "transfer")
+# fallback kinds: a round without a tree while the drafter was away; a session moved to
+# another replica; a verifier session rebuilt from the committed tokens
+FALLBACKS = ("ar_round", "drafter_rehome", "verifier_rehome", "verifier_reprefill")
+
+
+class Metrics:
+    def __init__(self, export: bool = True) -> None:
+        """``export=False``: tallies only (no Ray needed)."""
+        self.tallies: Tally[str] = Tally()
+        self._lock = threading.Lock()
+        self._ray: dict[str, rm.Metric] = {}
+        if export:
+            self._ray = {
+                "tokens": rm.Counter("presto_tokens_committed", "Output tokens committed",
+                                     tag_keys=("method",)),
+                "requests": rm.Counter("presto_requests", "Requests finished, by how",
+                                       tag_keys=("method", "finish")),
+                "accept": rm.Histogram("presto_acceptance_length", "Tokens committed per round "
+                                       "(accepted + 1)", ACCEPT_BOUNDS, tag_keys=("method",)),
+                "tree": rm.Histogram("presto_tree_size", "Draft nodes verified per round",
+                                     TREE_BOUNDS, tag_keys=("method",)),
+                "phase": rm.Histogram("presto_round_phase_seconds", "Round latency split: drafter "
+                                      "engine, verifier engine, waiting for the verifier, transfer",
+                                      SECONDS_BOUNDS, tag_keys=("phase",)),
+                "round": rm.Histogram("presto_round_seconds", "Round latency", SECONDS_BOUNDS,
+                                      tag_keys=("method",)),
+                "batch": rm.Histogram("presto_verify_batch_size", "Trees per verifier call",
+                                      BATCH_BOUNDS, tag_keys=("replica",)),
+                "busy": rm.Counter("presto_engine_busy_seconds", "Seconds an engine replica spent "
+                                   "in calls (1 - rate = its idle share)", tag_keys=("service", "replica")),
+                "active": rm.Gauge("presto_active_requests", "Requests being generated"),
+                "sessions": rm.Gauge("presto_sessions", "Sessions a replica holds for live requests",
+                                     tag_keys=("service", "replica")),
+                "fallbacks": rm.Counter("presto_fallbacks", "Fault fallbacks, by kind",
+                                        tag_keys=("kind",)),
+                "errors": rm.Counter("presto_errors", "Engine refusals and failed requests, by "
+                                     "status code", tag_keys=("service", "code")),
+            }
+
+    def _tally(self, key: str, n: float = 1) -> None:
+        with self._lock:
+            self.tallies[key] += n
+
+    def _emit(self, name: str, value: float, **tags: str) -> None:
+        m = self._ray.get(name)
+        if m is None:
+            return
+        tags = tags or None
+        if isinstance(m, rm.Counter):
+            if value > 0:
+                m.inc(value, tags=tags)
+        elif isinstance(m, rm.Histogram):
+            m.observe(value, tags=tags)
+        else:
+            m.set(value, tags=tags)
+
+    def round(self, method: str, tokens: int, accepted: int, tree_size: int,
+              phases: dict[str, float], fallback: bool) -> None:
+        self._tally("rounds")
+        self._tally("tokens", tokens)
+        self._emit("tokens", tokens, method=method)
+        self._emit("accept", accepted + 1, method=method)
+        self._emit("tree", tree_size, method=method)
+        self._emit("round", sum(phases.values()), method=method)
+        for phase, seconds in phases.items():
+            self._emit("phase", seconds, phase=phase)
+        if fallback:
+            self.fallback("ar_round")
+
+    def first_token(self, method: str) -> None:
+        self._tally("tokens")
+        self._emit("tokens", 1, method=method)
+
+    def fallback(self, kind: str) -> None:
+        self._tally(f"fallback:{kind}")
+        self._emit("fallbacks", 1, kind=kind)
+
+    def error(self, service: str, code: str) -> None:
+        self._tally(f"error:{service}:{code}")
+        self._emit("errors", 1, service=service, code=code)
+
+    def finished(self, method: str, finish: str) -> None:
+        self._tally(f"finish:{finish}")
+        self._emit("requests", 1, method=method, finish=finish)
+
+    def batch(self, replica: str, size: int, busy_s: float) -> None:
+        self._tally("verify_batches")
+        self._tally("verify_batched_calls", size)
+        self._emit("batch", size, replica=replica)
+
+    def busy(self, service: str, replica: str, seconds: float) -> None:
+        self._emit("busy", seconds, service=service, replica=replica)
+
+    def active(self, n: int) -> None:
+        self._emit("active", n)
+
+    def sessions(self, service: str, replica: str, n: int) -> None:
+        self._emit("sessions", n, service=service, replica=replica)
