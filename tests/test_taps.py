@@ -147,3 +147,27 @@ def test_depth_penalty_favours_shallow_trees():
     shallow = build_taps_tree(4, ctx_for(m), None, replace(base, depth_penalty=2.0)).tree
     assert len(shallow.tokens) == len(plain.tokens)  # a flat cost: both take the cap
     assert sum(shallow.depths) < sum(plain.depths)
+
+
+def peaked_marginals(depth: int, k: int, top: float = 0.85):
+    """Top-1 far ahead at every position: the best small trees are chains."""
+    import torch
+
+    from presto_sd.scores import DraftMarginals
+
+    probs = torch.tensor([top] + [(1 - top) / (k + 1)] * (k - 1))
+    ids = torch.arange(depth * k).reshape(depth, k) % 50
+    return DraftMarginals(ids, probs.log().expand(depth, k).clone(), torch.ones(depth))
+
+
+def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain():
+    m = peaked_marginals(8, 4)
+    flat = build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=FLAT), rho=None)
+    assert flat.tree.size == 24
+    steep_cost = CostFit(0.03, 0.01, 0.0, 0.0)  # a node costs a third of a step
+    steep = build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=steep_cost,
+                                                 draft_s=0.01), rho=None)
+    assert 1 <= steep.tree.size < 24
+    assert steep.tree.parents == tuple(range(-1, steep.tree.size))  # a chain: DFlash's shape
+    assert build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=STEEP),
+                      rho=None).tree.size == 0
