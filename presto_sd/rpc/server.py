@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -129,41 +130,62 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None or details.method.startswith(_OPEN_METHODS):
+        if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
-        inner, method = handler.unary_unary, details.method
+        method = details.method
         authorized = self._authorized(details.invocation_metadata)
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
 
-        async def call(request, context):
-            t0, code, message, out_bytes = time.perf_counter(), grpc.StatusCode.OK, "", 0
-            try:
-                if not authorized:
-                    raise UnauthenticatedError("missing or wrong bearer token (metadata 'authorization')")
-                response = await inner(request, context)
-                out_bytes = response.ByteSize()
-                return response
-            except asyncio.CancelledError:  # the client left or its deadline passed
-                code, message = grpc.StatusCode.CANCELLED, "cancelled"
-                raise
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
-                code, message = status_of(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", method)
-                await context.abort(code, message)
-            finally:
-                log.info(json.dumps({
-                    "event": "call", "method": method, "code": code.name,
-                    "ms": round(1e3 * (time.perf_counter() - t0), 2), "session": _session_of(request),
-                    "peer": context.peer(), "bytes_in": request.ByteSize(), "bytes_out": out_bytes,
-                    **({"error": message} if message else {}),
-                }))
+            async def call(request, context):
+                async with _guard(method, authorized, request, context) as record:
+                    response = await inner(request, context)
+                    record["bytes_out"] = response.ByteSize()
+                    return response
 
-        return grpc.unary_unary_rpc_method_handler(
-            call, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+            wrap = grpc.unary_unary_rpc_method_handler
+        elif handler.unary_stream is not None:  # server streaming (the orchestrator's Generate)
+            inner = handler.unary_stream
+
+            async def call(request, context):
+                async with _guard(method, authorized, request, context) as record:
+                    async for response in inner(request, context):
+                        record["bytes_out"] += response.ByteSize()
+                        yield response
+
+            wrap = grpc.unary_stream_rpc_method_handler
+        else:
+            return handler
+        return wrap(call, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+@contextlib.asynccontextmanager
+async def _guard(method: str, authorized: bool, request, context: grpc.aio.ServicerContext):
+    """One call's auth, exception -> status, and its JSON log line."""
+    t0, code, message = time.perf_counter(), grpc.StatusCode.OK, ""
+    record = {"bytes_out": 0}
+    try:
+        if not authorized:
+            raise UnauthenticatedError("missing or wrong bearer token (metadata 'authorization')")
+        yield record
+    except asyncio.CancelledError:  # the client left or its deadline passed
+        code, message = grpc.StatusCode.CANCELLED, "cancelled"
+        raise
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+        code, message = status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method)
+        await context.abort(code, message)
+    finally:
+        log.info(json.dumps({
+            "event": "call", "method": method, "code": code.name,
+            "ms": round(1e3 * (time.perf_counter() - t0), 2), "session": _session_of(request),
+            "peer": context.peer(), "bytes_in": request.ByteSize(), "bytes_out": record["bytes_out"],
+            **({"error": message} if message else {}),
+        }))
 
 
 # -- the server -------------------------------------------------------------------------
