@@ -6,15 +6,18 @@ away or too slow raises ``VerifierUnavailableError`` (the loop then waits and re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.acceptance import SamplingParams
 from presto_sd.cost_model import CostFit
-from presto_sd.messages import SessionNotFoundError, VerifierUnavailableError
+from presto_sd.messages import EngineError, SessionNotFoundError, VerifierUnavailableError
 from presto_sd.rpc.client import ClientConfig, RpcClient
-from presto_sd.rpc.wire import sampling_to_pb, session_ref_to_pb, tree_to_pb
+from presto_sd.rpc.errors import RemoteError
+from presto_sd.rpc.wire import sampling_to_pb, session_ref_to_pb
 from presto_sd.tree import TokenTree
 from verifier_service import wire
-from verifier_service.engine import PrefillResult, Verifier, VerifierInfo, VerifyResult
+from verifier_service.engine import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
 
 
 class RemoteVerifier(Verifier):
@@ -62,11 +65,26 @@ class RemoteVerifier(Verifier):
     def verify(
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
-        request = verifier_pb2.VerifyRequest(
-            session=session_ref_to_pb(session_id, base), tree=tree_to_pb(tree),
-            want_node_probs=want_node_probs,
-        )
+        request = wire.verify_call_to_pb(VerifyCall(session_id, base, tree, want_node_probs))
         return self._committed(session_id, self.rpc.call(self.stub.Verify, request, self.timeout_s))
+
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
+        """One ``VerifyBatch`` call; a failure of the whole call is every item's error."""
+        if not calls:
+            return []
+        request = wire.verify_batch_request_to_pb(calls)
+        try:
+            msg = self.rpc.call(self.stub.VerifyBatch, request, self.timeout_s)
+        except EngineError as e:
+            return [e] * len(calls)
+        answers = wire.verify_batch_from_pb(msg, VerifierUnavailableError)
+        if len(answers) != len(calls):
+            error = RemoteError("INTERNAL", f"VerifyBatch: {len(answers)} answers to {len(calls)} items")
+            return [error] * len(calls)
+        for c, a in zip(calls, answers):
+            if isinstance(a, VerifyResult):
+                self._anchors[c.session_id] = a.bonus
+        return answers
 
     def step(self, session_id: str, base: int) -> VerifyResult:
         request = verifier_pb2.StepRequest(session=session_ref_to_pb(session_id, base))

@@ -9,10 +9,11 @@ import grpc
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.acceptance import SamplingParams
+from presto_sd.messages import EngineError
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import sampling_from_pb, session_id_from, session_ref_from_pb, tree_from_pb
 from verifier_service import wire
-from verifier_service.engine import VerifierLimits
+from verifier_service.engine import VerifierLimits, VerifyCall
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 add_to_server = verifier_pb2_grpc.add_VerifierServiceServicer_to_server
@@ -34,6 +35,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
         tree = tree_from_pb(request.tree)
         res = await self.run(context, "verify", sid, base, tree, request.want_node_probs)
         return wire.verify_result_to_pb(res)
+
+    async def VerifyBatch(self, request, context: grpc.aio.ServicerContext):
+        items = wire.verify_calls_from_pb(request)  # a malformed item: its own error
+        calls = [c for c in items if isinstance(c, VerifyCall)]
+        results = iter(await self.run(context, "verify_batch", calls))
+        return wire.verify_batch_to_pb([c if isinstance(c, EngineError) else next(results) for c in items])
 
     async def Step(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from presto_pb.v1 import verifier_pb2 as pb
+from presto_sd.messages import EngineError, UnavailableError
+from presto_sd.rpc.errors import error_from_status, status_of
 from presto_sd.rpc.wire import (
     cost_from_pb,
     cost_to_pb,
     delta_from_pb,
     delta_to_pb,
+    session_ref_from_pb,
+    session_ref_to_pb,
     tensor_from_pb,
     tensor_to_pb,
+    tree_from_pb,
+    tree_to_pb,
 )
 from presto_sd.tree import TreeLimits
-from verifier_service.engine import PrefillResult, VerifierInfo, VerifierLimits, VerifyResult
+from verifier_service.engine import (
+    PrefillResult,
+    VerifierInfo,
+    VerifierLimits,
+    VerifyCall,
+    VerifyResult,
+)
 
 
 def prefill_result_to_pb(r: PrefillResult) -> pb.VerifierPrefillResponse:
@@ -39,6 +53,56 @@ def verify_result_from_pb(msg: pb.VerifyResponse) -> VerifyResult:
         accepted=tuple(msg.accepted), bonus=msg.bonus, delta=delta_from_pb(msg.delta), base=msg.base,
         node_probs=node_probs, accepted_nodes=tuple(msg.accepted_nodes),
     )
+
+
+def verify_call_to_pb(c: VerifyCall) -> pb.VerifyRequest:
+    return pb.VerifyRequest(
+        session=session_ref_to_pb(c.session_id, c.base), tree=tree_to_pb(c.tree),
+        want_node_probs=c.want_node_probs,
+    )
+
+
+def verify_call_from_pb(msg: pb.VerifyRequest) -> VerifyCall:
+    session_id, base = session_ref_from_pb(msg.session)
+    return VerifyCall(session_id, base, tree_from_pb(msg.tree), msg.want_node_probs)
+
+
+# -- VerifyBatch: per item, its result or its own status ---------------------------------
+def verify_batch_request_to_pb(calls: Sequence[VerifyCall]) -> pb.VerifyBatchRequest:
+    return pb.VerifyBatchRequest(items=[verify_call_to_pb(c) for c in calls])
+
+
+def verify_calls_from_pb(msg: pb.VerifyBatchRequest) -> list[VerifyCall | EngineError]:
+    """Each item as a call, or the error its malformed message gets (its slot, not the batch's)."""
+    out: list[VerifyCall | EngineError] = []
+    for item in msg.items:
+        try:
+            out.append(verify_call_from_pb(item))
+        except EngineError as e:
+            out.append(e)
+    return out
+
+
+def verify_batch_to_pb(answers: Sequence[VerifyResult | EngineError]) -> pb.VerifyBatchResponse:
+    items = []
+    for a in answers:
+        if isinstance(a, EngineError):
+            code, message = status_of(a)
+            items.append(pb.VerifyBatchItem(error=pb.VerifyItemError(code=code.name, message=message)))
+        else:
+            items.append(pb.VerifyBatchItem(result=verify_result_to_pb(a)))
+    return pb.VerifyBatchResponse(items=items)
+
+
+def verify_batch_from_pb(
+    msg: pb.VerifyBatchResponse, unavailable: type[UnavailableError]
+) -> list[VerifyResult | EngineError]:
+    """Results, and errors as the named exceptions a unary call raises for the same status."""
+    return [
+        verify_result_from_pb(item.result) if item.HasField("result")
+        else error_from_status(item.error.code, item.error.message, unavailable)
+        for item in msg.items
+    ]
 
 
 def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:

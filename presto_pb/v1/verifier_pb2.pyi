@@ -39,6 +39,34 @@ class VerifyRequest(_message.Message):
     want_node_probs: bool
     def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., want_node_probs: _Optional[bool] = ...) -> None: ...
 
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyItemError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class VerifyBatchItem(_message.Message):
+    __slots__ = ("result", "error")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    result: VerifyResponse
+    error: VerifyItemError
+    def __init__(self, result: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[VerifyItemError, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyBatchItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyBatchItem, _Mapping]]] = ...) -> None: ...
+
 class StepRequest(_message.Message):
     __slots__ = ("session",)
     SESSION_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class VerifierServiceStub:
                 request_serializer=presto_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=presto_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/presto.v1.VerifierService/VerifyBatch',
+                request_serializer=presto_dot_v1_dot_verifier__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=presto_dot_v1_dot_verifier__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/presto.v1.VerifierService/Step',
                 request_serializer=presto_dot_v1_dot_verifier__pb2.StepRequest.SerializeToString,
@@ -75,6 +80,14 @@ class VerifierServiceServicer:
 
     def Verify(self, request, context):
         """One target forward over every tree node; sample-and-match; commit the accepted path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyBatch(self, request, context):
+        """Several sessions' trees in ONE target forward. Each item is answered in its slot:
+        its VerifyResponse, or its own error (a refused item never fails the others).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +124,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=presto_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=presto_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=presto_dot_v1_dot_verifier__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=presto_dot_v1_dot_verifier__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -182,6 +200,33 @@ class VerifierService:
             '/presto.v1.VerifierService/Verify',
             presto_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             presto_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/presto.v1.VerifierService/VerifyBatch',
+            presto_dot_v1_dot_verifier__pb2.VerifyBatchRequest.SerializeToString,
+            presto_dot_v1_dot_verifier__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,7 +65,17 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def error_from_rpc(err: grpc.RpcError, unavailable: type[UnavailableError]) -> EngineError:
     """The named error for a failed call; ``unavailable`` when the server is away or too slow."""
-    code, details = err.code(), err.details() or ""
+    return error_from_status(err.code(), err.details() or "", unavailable)
+
+
+def error_from_status(
+    code: grpc.StatusCode | str, details: str, unavailable: type[UnavailableError]
+) -> EngineError:
+    """The named error for a status (or its name, as a batch item carries it)."""
+    if isinstance(code, str):
+        if code not in grpc.StatusCode.__members__:
+            return RemoteError(code, details)
+        code = grpc.StatusCode[code]
     if code in _UNAVAILABLE:
         return unavailable(f"{code.name}: {details}")
     cls = _BY_CODE.get(code)
