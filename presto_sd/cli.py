@@ -2,7 +2,9 @@
 
     presto-sd generate "PROMPT" [--method presto-beam] [--budget 32] [--json]
     presto-sd generate "PROMPT" --drafter-addr HOST:PORT --verifier-addr HOST:PORT
-    presto-sd serve drafter|verifier --port P
+    presto-sd serve drafter|verifier|orchestrator --port P
+    presto-sd up [--port P]
+    presto-sd generate "PROMPT" --orchestrator-addr HOST:PORT
     presto-sd models fetch
     presto-sd train gen-data | drafter | acceptance
     presto-sd bench [--datasets gsm8k,humaneval,mtbench] [--methods ...] [--budgets 8,16,32] --out DIR
@@ -15,6 +17,7 @@ import json
 import sys
 import time
 
+from orchestrator import cli as orchestrator_cli
 from presto_sd.builders import METHODS
 from presto_sd.rpc import cli as rpc_cli
 
@@ -77,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_cli.register(sub)
     rpc_cli.register(sub)
+    orchestrator_cli.register_up(sub)
     return parser
 
 
@@ -117,12 +121,29 @@ def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
     return encode_messages(tok, [{"role": "user", "content": prompt}], chat)
 
 
+def generation_summary(args: argparse.Namespace, res, drafter: str) -> dict:
+    """The fields ``generate`` reports beside the text (the same embedded, remote, orchestrated)."""
+    return {
+        "method": args.method,
+        "budget": None if args.method in ("ar", "linear") else args.budget,
+        "rounds": len(res.rounds),
+        "tau": round(res.tau, 3),
+        "tokens_per_s": round(res.tokens_per_s, 2),
+        "new_tokens": len(res.token_ids),
+        "finish_reason": res.finish_reason,
+        "mean_tree_size": round(sum(r.tree_size for r in res.rounds) / max(1, len(res.rounds)), 2),
+        "drafter": drafter,
+    }
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from orchestrator.embedded import build_embedded
     from orchestrator.generate import GenerationResult, stream_generate
 
+    if args.orchestrator_addr:
+        return orchestrator_cli.generate_via(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.verifier_addr or args.drafter_addr:
@@ -153,17 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed = text
     total = time.perf_counter() - t0
     res = GenerationResult(tokens, rounds, finish, prefill_s, total - prefill_s)
-    summary = {
-        "method": args.method,
-        "budget": None if args.method in ("ar", "linear") else args.budget,
-        "rounds": len(rounds),
-        "tau": round(res.tau, 3),
-        "tokens_per_s": round(res.tokens_per_s, 2),
-        "new_tokens": len(tokens),
-        "finish_reason": finish,
-        "mean_tree_size": round(sum(r.tree_size for r in rounds) / max(1, len(rounds)), 2),
-        "drafter": str(stack.drafter_spec.path) if stack.drafter_spec.path else "random",
-    }
+    summary = generation_summary(args, res, str(stack.drafter_spec.path or "random"))
     if args.json:
         print(json.dumps({"text": detok(tokens), "token_ids": tokens, **summary}))
     else:
@@ -186,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_cli.run(args)
     from presto_sd.training import cli as train_cli
 
-    handlers = {"generate": cmd_generate, "models": cmd_models, "train": train_cli.run, "serve": rpc_cli.run}
+    handlers = {"generate": cmd_generate, "models": cmd_models, "train": train_cli.run, "serve": rpc_cli.run,
+                "up": orchestrator_cli.run_up}
     return handlers[args.command](args)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="run the drafter or the verifier as a gRPC service")
+    serve = sub.add_parser("serve", help="run the drafter, verifier or orchestrator as a gRPC service")
     ssub = serve.add_subparsers(dest="service", required=True)
     for name, what in (("drafter", "the DFlash drafter (needs the target's embeddings and lm_head)"),
                        ("verifier", "the target model, verifying draft trees")):
@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--grace-s", type=float, default=10.0,
                        help="then in-flight calls get this long (default: %(default)s)")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from orchestrator import cli as orchestrator_cli
+
+    orchestrator_cli.register_serve(ssub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     from presto_sd.rpc.client import read_token
     from presto_sd.rpc.server import GrpcServer, ServerConfig, serve_until_signal
 
+    if args.service == "orchestrator":
+        from orchestrator import cli as orchestrator_cli
+
+        return orchestrator_cli.run_serve(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,6 +99,9 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-client-key", default=None)
     g.add_argument("--tls-server-name", default=None, help="name to check the server certs against")
     g.add_argument("--auth-token-file", default=None, help="bearer token for the servers")
+    from orchestrator import cli as orchestrator_cli
+
+    orchestrator_cli.add_client_args(g)
 
 
 @dataclass

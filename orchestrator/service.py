@@ -1,0 +1,161 @@
+"""``OrchestratorService`` over gRPC: thin ``from_pb -> orchestrator -> to_pb`` adapters.
+
+A request's unset fields take the server's defaults (``ServiceDefaults``: the flags of
+``presto-sd serve orchestrator`` and the drafter's fitted PRESTO settings). Errors become
+status codes in the server's one interceptor (``presto_sd.rpc.server``); a client that
+cancels a ``Generate`` stream cancels the request, which closes both of its sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, replace
+
+import grpc
+
+from orchestrator.generate import GenerationParams
+from orchestrator.scheduler import GenerateJob, Orchestrator, StreamChunk
+from presto_pb.v1 import orchestrator_pb2 as pb
+from presto_pb.v1 import orchestrator_pb2_grpc
+from presto_sd.builders import METHODS
+from presto_sd.messages import InvalidArgumentError
+from presto_sd.models import encode_messages
+from presto_sd.rpc.server import EngineHost
+from presto_sd.rpc.wire import (
+    sampling_from_pb,
+    session_id_from,
+    tree_params_from_pb,
+    tree_params_to_pb,
+)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+add_to_server = orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server
+METHOD_NAMES = ("ar", *METHODS)
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ServiceDefaults:
+    params: GenerationParams  # stop_token_ids: the target's EOS
+    model: str = ""
+    drafter: str = "random"
+
+
+# -- requests ---------------------------------------------------------------------------
+def _prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise InvalidArgumentError("prompt: set one of text, messages, token_ids")
+    if which == "token_ids":
+        ids = list(msg.token_ids.ids)
+    else:
+        if tokenizer is None:
+            raise InvalidArgumentError(f"{which}: this orchestrator has no tokenizer; send token_ids")
+        if which == "text":
+            messages = [{"role": "user", "content": msg.text}]
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+            bad = next((i for i, m in enumerate(messages) if m["role"] not in ROLES), None)
+            if bad is not None:
+                raise InvalidArgumentError(
+                    f"messages[{bad}].role = {messages[bad]['role']!r}: one of {', '.join(ROLES)}")
+        ids = encode_messages(tokenizer, messages, chat=not msg.no_chat)
+    if not ids:
+        raise InvalidArgumentError(f"{which}: the prompt is empty")
+    return ids
+
+
+def _given(msg) -> set[str]:
+    """The fields a message sets (proto3 presence): these override the server's defaults."""
+    return {fd.name for fd, _ in msg.ListFields()}
+
+
+def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer) -> GenerateJob:
+    d = defaults.params
+    method = msg.method if msg.HasField("method") else d.method
+    if method not in METHOD_NAMES:
+        raise InvalidArgumentError(f"method = {method!r}: one of {', '.join(METHOD_NAMES)}")
+    tree, sampling = tree_params_from_pb(msg.tree), sampling_from_pb(msg.sampling)  # checked
+    try:  # the dataclasses validate the combination and name the field
+        params = replace(
+            d, method=method,
+            tree=replace(d.tree, **{k: getattr(tree, k) for k in _given(msg.tree)}),
+            sampling=replace(d.sampling, **{k: getattr(sampling, k) for k in _given(msg.sampling)}),
+            max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else d.max_new_tokens,
+            stop_strings=tuple(msg.stop),
+        )
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+    if params.stop_strings and tokenizer is None:
+        raise InvalidArgumentError("stop: stop strings need a tokenizer, and this orchestrator has none")
+    rid = session_id_from(msg.request_id, "request_id") if msg.request_id else uuid.uuid4().hex
+    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid)
+
+
+# -- answers ----------------------------------------------------------------------------
+def chunk_to_pb(chunk: StreamChunk, request_id: str) -> pb.GenerateChunk:
+    msg = pb.GenerateChunk(token_ids=chunk.tokens, text=chunk.text,
+                           finish_reason=chunk.finish_reason or "", request_id=request_id)
+    if chunk.stats is not None:
+        s = chunk.stats
+        msg.stats.CopyFrom(pb.ChunkStats(
+            accepted=s.accepted, tree_size=s.tree_size, draft_s=s.draft_s, verify_s=s.verify_s,
+            queue_s=s.queue_s, transfer_s=s.transfer_s, fallback=s.fallback))
+    return msg
+
+
+async def collect(orch: Orchestrator, job: GenerateJob) -> pb.GenerateResult:
+    """Run one request to the end; its tokens, text and round summary."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    tokens: list[int] = []
+    text, finish, prefill_s, rounds = "", "", 0.0, []
+    async for chunk in orch.astream(job):
+        if chunk.stats is None:
+            prefill_s = loop.time() - t0
+        else:
+            rounds.append(chunk.stats)
+        tokens.extend(chunk.tokens)
+        text += chunk.text
+        finish = chunk.finish_reason or finish
+    n = max(1, len(rounds))
+    return pb.GenerateResult(
+        request_id=job.request_id, token_ids=tokens, text=text, finish_reason=finish,
+        rounds=len(rounds), tau=sum(r.accepted + 1 for r in rounds) / n,
+        mean_tree_size=sum(r.tree_size for r in rounds) / n,
+        fallback_rounds=sum(r.fallback for r in rounds), prefill_s=prefill_s,
+        decode_s=loop.time() - t0 - prefill_s,
+    )
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, EngineHost):
+    def __init__(self) -> None:
+        EngineHost.__init__(self, "orchestrator")
+        self.defaults: ServiceDefaults | None = None  # set by the loader, with the tokenizer
+        self.tokenizer = None
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        orch: Orchestrator = self.ready()
+        job = job_from_pb(request, self.defaults, self.tokenizer)
+        async for chunk in orch.astream(job):
+            yield chunk_to_pb(chunk, job.request_id)
+
+    async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
+        orch: Orchestrator = self.ready()
+        jobs = [job_from_pb(r, self.defaults, self.tokenizer) for r in request.requests]
+        async with asyncio.TaskGroup() as group:  # one failure cancels the rest
+            tasks = [group.create_task(collect(orch, job)) for job in jobs]
+        return pb.GenerateBatchResponse(results=[t.result() for t in tasks])
+
+    async def Info(self, request, context: grpc.aio.ServicerContext):
+        orch: Orchestrator = self.ready()
+        d = self.defaults
+        return pb.OrchestratorInfo(
+            model=d.model, drafter=d.drafter,
+            drafter_replicas=[r.name for r in orch.drafters.replicas],
+            verifier_replicas=[r.name for r in orch.verifiers.replicas],
+            default_method=d.params.method, default_tree=tree_params_to_pb(d.params.tree),
+            default_max_new_tokens=d.params.max_new_tokens, max_requests=orch.config.max_requests,
+            tokenizer=self.tokenizer is not None,
+        )
