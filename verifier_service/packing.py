@@ -2,18 +2,18 @@
 
 Several sessions' trees go through ONE target forward as a ``TreeBatch`` (the layout and
 its mask are pure, in ``presto_sd.tree``). Neither layout wins everywhere (SmolLM2, CPU,
-one thread; docs/services.md "Batched verification"):
+one thread, context ~200; docs/services.md "Batched verification"):
 
-- ``padded`` (one row per session, left-padded caches) computes padding rows: with trees
-  of 5/9/17/65 nodes it runs 4 x 65 rows and took 669 ms where packing took 329 ms;
-- ``packed`` (every session in one row, block-diagonal mask) lets each node's attention
-  run over every session's prefix, so its attention grows with the square of the batch:
-  4 x 17 nodes at context 200 took 255 ms packed, 213 ms padded; 8 sessions 595 vs 404.
+- ``padded`` (one row per session, left-padded caches) computes its padding rows: trees
+  of 4/8/16/64 draft nodes run as 4 x 65 rows, 679 ms against 364 ms packed;
+- ``packed`` (every session in one row, block-diagonal mask) runs each node's attention
+  over every session's prefix, which grows with the square of the batch: 4 x 16 nodes
+  took 436 ms packed, 395 ms padded; 8 x 16 nodes 660 ms against 469 ms.
 
 So ``auto`` counts each layout's FLOPs (linear layers per token row, attention per
-query-key pair, padding included) and takes the cheaper; the count picked the faster
-layout in every case measured. A batch whose mask would pass ``MAX_MASK_ELEMENTS`` is
-split into several forwards (in call order), so no batch can allocate without bound.
+query-key pair, padding included) and takes the cheaper: in those three cases, the faster
+one. A batch whose mask would pass ``MAX_MASK_ELEMENTS`` is split into several forwards
+(in call order), so no batch allocates without bound.
 """
 
 from __future__ import annotations
