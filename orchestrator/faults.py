@@ -161,8 +161,12 @@ class VerifierLink:
                     recover()
                 return attempt()
             except (SessionNotFoundError, VerifierUnavailableError) as e:
-                if (recover is None and isinstance(e, SessionNotFoundError)) or time.monotonic() > give_up:
+                if recover is None and isinstance(e, SessionNotFoundError):
                     raise
+                if time.monotonic() > give_up:  # the request's retry budget is spent
+                    raise VerifierUnavailableError(
+                        f"no verifier answered within the retry budget ({self.policy.verifier_wait_s:g} s, "
+                        f"FaultPolicy.verifier_wait_s): {e}") from e
                 failed = True
                 if isinstance(e, VerifierUnavailableError):
                     time.sleep(self.policy.verifier_retry_s)

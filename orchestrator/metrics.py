@@ -27,39 +27,46 @@ PHASES = ("draft", "verify", "queue", "transfer")
 FALLBACKS = ("ar_round", "drafter_rehome", "verifier_rehome", "verifier_reprefill")
 
 
+# key -> (kind, name, description, tag keys, histogram boundaries)
+_SPECS: dict[str, tuple] = {
+    "tokens": ("counter", "presto_tokens_committed", "Output tokens committed", ("method",), None),
+    "requests": ("counter", "presto_requests", "Requests finished, by how", ("method", "finish"), None),
+    "accept": ("histogram", "presto_acceptance_length", "Tokens committed per round (accepted + 1)",
+               ("method",), ACCEPT_BOUNDS),
+    "tree": ("histogram", "presto_tree_size", "Draft nodes verified per round", ("method",), TREE_BOUNDS),
+    "phase": ("histogram", "presto_round_phase_seconds", "Round latency split: drafter engine, verifier "
+              "engine, waiting for the verifier, transfer", ("phase",), SECONDS_BOUNDS),
+    "round": ("histogram", "presto_round_seconds", "Round latency", ("method",), SECONDS_BOUNDS),
+    "batch": ("histogram", "presto_verify_batch_size", "Trees per verifier call", ("replica",), BATCH_BOUNDS),
+    "busy": ("counter", "presto_engine_busy_seconds", "Seconds an engine replica spent in calls "
+             "(1 - rate = its idle share)", ("service", "replica"), None),
+    "active": ("gauge", "presto_active_requests", "Requests being generated", (), None),
+    "sessions": ("gauge", "presto_sessions", "Sessions a replica holds for live requests",
+                 ("service", "replica"), None),
+    "fallbacks": ("counter", "presto_fallbacks", "Fault fallbacks, by kind", ("kind",), None),
+    "errors": ("counter", "presto_errors", "Engine refusals and failed requests, by status code",
+               ("service", "code"), None),
+}
+_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def prometheus_names() -> set[str]:
+    """Every series name Prometheus scrapes for these metrics (what the dashboard may query)."""
+    return {f"ray_{name}{suffix}" for kind, name, *_ in _SPECS.values() for suffix in _SUFFIXES[kind]}
+
+
 class Metrics:
     def __init__(self, export: bool = True) -> None:
         """``export=False``: tallies only (no Ray needed)."""
         self.tallies: Tally[str] = Tally()
         self._lock = threading.Lock()
         self._ray: dict[str, rm.Metric] = {}
-        if export:
-            self._ray = {
-                "tokens": rm.Counter("presto_tokens_committed", "Output tokens committed",
-                                     tag_keys=("method",)),
-                "requests": rm.Counter("presto_requests", "Requests finished, by how",
-                                       tag_keys=("method", "finish")),
-                "accept": rm.Histogram("presto_acceptance_length", "Tokens committed per round "
-                                       "(accepted + 1)", ACCEPT_BOUNDS, tag_keys=("method",)),
-                "tree": rm.Histogram("presto_tree_size", "Draft nodes verified per round",
-                                     TREE_BOUNDS, tag_keys=("method",)),
-                "phase": rm.Histogram("presto_round_phase_seconds", "Round latency split: drafter "
-                                      "engine, verifier engine, waiting for the verifier, transfer",
-                                      SECONDS_BOUNDS, tag_keys=("phase",)),
-                "round": rm.Histogram("presto_round_seconds", "Round latency", SECONDS_BOUNDS,
-                                      tag_keys=("method",)),
-                "batch": rm.Histogram("presto_verify_batch_size", "Trees per verifier call",
-                                      BATCH_BOUNDS, tag_keys=("replica",)),
-                "busy": rm.Counter("presto_engine_busy_seconds", "Seconds an engine replica spent "
-                                   "in calls (1 - rate = its idle share)", tag_keys=("service", "replica")),
-                "active": rm.Gauge("presto_active_requests", "Requests being generated"),
-                "sessions": rm.Gauge("presto_sessions", "Sessions a replica holds for live requests",
-                                     tag_keys=("service", "replica")),
-                "fallbacks": rm.Counter("presto_fallbacks", "Fault fallbacks, by kind",
-                                        tag_keys=("kind",)),
-                "errors": rm.Counter("presto_errors", "Engine refusals and failed requests, by "
-                                     "status code", tag_keys=("service", "code")),
-            }
+        for key, (kind, name, description, tag_keys, bounds) in (_SPECS.items() if export else ()):
+            if kind == "histogram":
+                self._ray[key] = rm.Histogram(name, description, bounds, tag_keys=tag_keys)
+            else:
+                cls = rm.Counter if kind == "counter" else rm.Gauge
+                self._ray[key] = cls(name, description, tag_keys=tag_keys)
 
     def _tally(self, key: str, n: float = 1) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from drafter_service.engine import Drafter, DrafterInfo, DraftResult
 from orchestrator.actors import Outcome, ReplicaSpec
@@ -62,10 +62,11 @@ class Replica:
         self.unavailable = DrafterUnavailableError if spec.kind == "drafter" else VerifierUnavailableError
         self.sessions: set[str] = set()  # requests whose session lives here
         self.down_until, self._wait = 0.0, timeouts.retry_s
+        self.dead = False  # its actor is gone for good (no restarts left)
 
     @property
     def healthy(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return not self.dead and time.monotonic() >= self.down_until
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Outcome:
         """``engine.method(*args)`` in the actor; refusals raise the engine's named error."""
@@ -74,6 +75,7 @@ class Replica:
         try:
             out: Outcome = ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
         except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
+            self.dead = self.dead or isinstance(e, ActorDiedError)
             self._failed("UNAVAILABLE")
             raise self.unavailable(f"{self.kind} replica {self.name}: {type(e).__name__}") from None
         self.metrics.busy(self.kind, self.name, out.busy_s)
@@ -102,7 +104,7 @@ class ReplicaPool:
         healthy = [r for r in self.replicas if r.healthy]
         if healthy:
             return min(healthy, key=lambda r: len(r.sessions))
-        return min(self.replicas, key=lambda r: r.down_until)
+        return min(self.replicas, key=lambda r: (r.dead, r.down_until))
 
 
 @dataclass
@@ -224,6 +226,10 @@ class RoutedVerifier(_Routed, Verifier):
             raise res
         self._anchor = res.bonus
         return res
+
+    def calibrate_cost(self):
+        """TAPS's cost model: the replica's own (an in-process verifier measures its forwards)."""
+        return self._home().call("calibrate_cost", timeout_s=self.pool.replicas[0].timeouts.prefill_s).value
 
     def anchor(self, session_id: str) -> int:
         if self._anchor is None:

@@ -1,0 +1,234 @@
+"""The orchestrator on a local Ray: engines in actors, served over gRPC on loopback.
+
+One Ray and one stack for the module (2 drafter replicas, 1 verifier, the tiny target of
+``conftest`` built inside each actor). The tests run in file order: the last two kill
+replicas (a drafter, then the only verifier), and the metric smoke test between them reads
+what the earlier ones exported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator import service
+from orchestrator.client import OrchestratorClient
+from orchestrator.faults import FaultPolicy
+from orchestrator.generate import GenerationParams
+from orchestrator.metrics import prometheus_names
+from orchestrator.scheduler import Orchestrator
+from presto_sd.builders import TreeParams
+from presto_sd.messages import InvalidArgumentError, UnavailableError
+from presto_sd.rpc.server import GrpcServer, ServerConfig
+from tests import rpc_util
+from tests.conftest import hf_greedy
+from tests.orchestrator_util import tiny_spec
+
+FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=2.0, verifier_retry_s=0.05)
+DEFAULTS = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=16, depth=8),
+                            max_new_tokens=16, faults=FAST)
+METHODS = ["ar", "linear", "marginal", "presto-beam", "presto-best-first", "taps"]
+DASHBOARD = Path(__file__).resolve().parent.parent / "helm" / "presto-sd" / "dashboards" / "presto-sd.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def metrics_port():
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port,
+             _system_config={"metrics_report_interval_ms": 500})
+    yield port
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stack(metrics_port):
+    orch = Orchestrator.start([tiny_spec("drafter", 0), tiny_spec("drafter", 1)], [tiny_spec("verifier", 0)])
+    servicer = service.OrchestratorServicer()
+    servicer.defaults = service.ServiceDefaults(DEFAULTS, "tiny-llama")
+    server = GrpcServer(ServerConfig(drain_s=0.0, grace_s=0.0), servicer, service.add_to_server,
+                        service.SERVICE_NAME)
+    port = rpc_util.run(server.start())
+    rpc_util.run(server.attach(orch))
+    client = OrchestratorClient(f"127.0.0.1:{port}", timeout_s=120)
+    yield orch, client, port
+    client.close()
+    rpc_util.run(server.stop(0))
+    orch.shutdown()
+
+
+def _tokens(client: OrchestratorClient, prompt: list[int], **options) -> tuple[list[int], list]:
+    tokens, chunks = [], []
+    for chunk in client.generate(prompt, **options):
+        tokens.extend(chunk.tokens)
+        chunks.append(chunk)
+    return tokens, chunks
+
+
+def _sessions(orch: Orchestrator) -> int:
+    return sum(s.sessions or 0 for s in orch.engine_stats().values())
+
+
+def test_concurrent_requests_equal_ar(tiny_target, stack):
+    orch, client, _ = stack
+    jobs = [(METHODS[i % len(METHODS)], [0, 1 + i % 15, 3, (5 * i) % 16], 8 + 3 * i) for i in range(18)]
+    out: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        method, prompt, n = jobs[i]
+        out[i] = _tokens(client, prompt, method=method, max_new_tokens=n, tree={"budget": 8 + i})
+
+    before = dict(orch.metrics.tallies)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, (method, prompt, n) in enumerate(jobs):
+        tokens, chunks = out[i]
+        assert tokens == hf_greedy(tiny_target, prompt, n), (method, prompt, n)
+        assert chunks[0].stats is None and chunks[-1].finish_reason == "length"
+        rounds = [c.stats for c in chunks[1:]]
+        sizes = [r.tree_size for r in rounds]
+        assert (max(sizes) == 0) if method == "ar" else (max(sizes) > 0), (method, sizes)
+        assert all(r.verify_s > 0 and r.transfer_s >= 0 for r in rounds)
+    tallies = orch.metrics.tallies
+    batches = tallies["verify_batches"] - before.get("verify_batches", 0)
+    calls = tallies["verify_batched_calls"] - before.get("verify_batched_calls", 0)
+    assert calls > batches  # some verify calls of different requests shared one batch
+    assert not orch.requests and _sessions(orch) == 0
+
+
+def test_generate_batch_answers_in_order(tiny_target, stack):
+    _, client, _ = stack
+    prompts = [[0, 3, 5, 7], [0, 9], [0, 1, 2, 3, 4, 5]]
+    results = client.generate_batch(prompts, method="presto-beam", max_new_tokens=12)
+    assert [list(r.token_ids) for r in results] == [hf_greedy(tiny_target, p, 12) for p in prompts]
+    assert all(r.finish_reason == "length" and r.rounds >= 1 and r.tau >= 1 for r in results)
+
+
+def test_cancel_frees_both_sessions(stack):
+    orch, client, _ = stack
+    stream = client.generate([0, 3, 5, 7], method="marginal", max_new_tokens=400)
+    for _ in range(3):
+        next(stream)
+    assert orch.requests and _sessions(orch) == 2  # one drafter and one verifier session
+    stream.close()  # cancels the RPC
+    deadline = time.monotonic() + 20
+    while (orch.requests or _sessions(orch)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not orch.requests and _sessions(orch) == 0
+    assert orch.metrics.tallies["finish:cancelled"] >= 1
+
+
+def test_bad_requests_get_their_status(stack):
+    _, client, port = stack
+    bad = [
+        ({"prompt": "text needs a tokenizer"}, "no tokenizer"),
+        ({"prompt": [0, 3], "method": "beam-me-up"}, "method = 'beam-me-up'"),
+        ({"prompt": [0, 3], "tree": {"budget": 0}}, "tree.budget = 0"),
+        ({"prompt": [0, 3], "sampling": {"top_p": 0.0}}, "sampling.top_p"),
+        ({"prompt": [0, 3], "stop": ["x"]}, "stop strings need a tokenizer"),
+        ({"prompt": [0, 99]}, "token 99 out of range"),  # refused by the verifier, mid-stream
+        ({"prompt": [0, 3], "max_new_tokens": 0}, "max_new_tokens = 0"),
+    ]
+    for options, needle in bad:
+        prompt = options.pop("prompt")
+        with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+            _tokens(client, prompt, **options)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    status = health.Check(health_pb2.HealthCheckRequest(service=service.SERVICE_NAME), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    info = client.info()
+    assert list(info.drafter_replicas) == ["tiny-0", "tiny-1"] and info.default_method == "marginal"
+
+
+def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack):
+    orch, client, _ = stack
+    prompts = [[0, 3, 5, i] for i in range(4)]
+    out: dict[int, list[int]] = {}
+    started = threading.Barrier(len(prompts) + 1)
+
+    def run(i: int) -> None:
+        tokens = []
+        for k, chunk in enumerate(client.generate(prompts[i], method="marginal", max_new_tokens=48)):
+            tokens.extend(chunk.tokens)
+            if k == 2:
+                started.wait(timeout=60)
+        out[i] = tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    lost = orch.drafters.replicas[0]
+    assert lost.sessions  # least-loaded placement put some of the requests there
+    ray.kill(lost.actor, no_restart=True)
+    for t in threads:
+        t.join(timeout=120)
+    assert [out[i] for i in range(len(prompts))] == [hf_greedy(tiny_target, p, 48) for p in prompts]
+    tallies = orch.metrics.tallies
+    assert tallies["fallback:ar_round"] >= 1 and tallies["fallback:drafter_rehome"] >= 1
+    assert lost.dead and not lost.sessions
+
+
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_metrics_are_exported_and_the_dashboard_uses_their_names(stack, metrics_port):
+    orch, _, _ = stack
+    tallies = orch.metrics.tallies
+    deadline, text = time.monotonic() + 30, ""
+    while time.monotonic() < deadline:  # the driver reports every 0.5 s here (10 s by default)
+        text = _scrape(metrics_port)
+        if _value(text, "ray_presto_tokens_committed_total") == tallies["tokens"]:
+            break
+        time.sleep(0.5)
+    assert _value(text, "ray_presto_tokens_committed_total") == tallies["tokens"] > 0
+    assert _value(text, "ray_presto_acceptance_length_count") == tallies["rounds"]
+    assert _value(text, "ray_presto_round_phase_seconds_count", phase="verify") == tallies["rounds"]
+    assert _value(text, "ray_presto_fallbacks_total", kind="drafter_rehome") >= 1
+    assert _value(text, "ray_presto_errors_total", service="drafter", code="UNAVAILABLE") >= 1
+    assert _value(text, "ray_presto_requests_total", finish="cancelled") >= 1
+    assert re.search(r"^ray_presto_active_requests\{", text, re.M)
+    assert _value(text, "ray_presto_engine_busy_seconds_total", service="verifier") > 0
+    # every name the Grafana dashboard queries is one Prometheus sees: ray_ + name + suffix
+    exported = prometheus_names()
+    queried = set(re.findall(r"ray_presto_[a-z_]+", DASHBOARD.read_text()))
+    assert queried and queried <= exported, queried - exported
+    json.loads(DASHBOARD.read_text())
+
+
+def test_verifier_lost_fails_after_the_retry_budget(stack):
+    orch, client, _ = stack
+    ray.kill(orch.verifiers.replicas[0].actor, no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError, match="retry budget"):
+        _tokens(client, [0, 3, 5], max_new_tokens=8)
+    assert time.monotonic() - t0 < 20
