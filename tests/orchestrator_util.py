@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import functools
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 from orchestrator.actors import ReplicaSpec
 
@@ -18,3 +25,61 @@ def tiny_engine(kind: str):
 
 def tiny_spec(kind: str, index: int = 0) -> ReplicaSpec:
     return ReplicaSpec(kind, f"tiny-{index}", functools.partial(tiny_engine, kind), threads=1)
+
+
+# -- real server processes --------------------------------------------------------------
+def spawn(args: list[str], stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, queue.Queue]:
+    """``presto-sd ARGS`` as a process; its stderr lines arrive on the queue."""
+    proc = subprocess.Popen([sys.executable, "-m", "presto_sd.cli", *args], stderr=subprocess.PIPE,
+                            stdout=stdout, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    return proc, lines
+
+
+def spawn_server(kind: str, target: Path) -> tuple[subprocess.Popen, queue.Queue]:
+    return spawn(["serve", kind, "--port", "0", "--target", str(target), "--drafter", "random",
+                  "--threads", "1", "--drain-s", "0", "--grace-s", "0"])
+
+
+def wait_for(lines: queue.Queue, event: str, timeout: float = 180.0) -> dict:
+    """The first JSON log line of ``event`` (earlier lines are dropped)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if line.startswith("{") and json.loads(line).get("event") == event:
+            return json.loads(line)
+    raise TimeoutError(f"no {event!r} event")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (zombies count as gone)."""
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out

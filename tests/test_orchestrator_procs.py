@@ -1,0 +1,139 @@
+"""The orchestrator with real processes: `presto-sd up`, the CLI through it, and servers
+killed mid-stream. The target is a tiny random Llama with SmolLM2's vocabulary and
+tokenizer, saved to disk so that server processes can load it (``--target DIR``)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from orchestrator.actors import remote_spec
+from orchestrator.faults import FaultPolicy
+from orchestrator.generate import GenerationParams
+from orchestrator.scheduler import GenerateJob, Orchestrator
+from presto_sd import cli
+from presto_sd.builders import TreeParams
+from presto_sd.models import eos_token_ids, load_tokenizer
+from tests.conftest import hf_greedy, tiny_llama
+from tests.orchestrator_util import alive, descendants, spawn_server, wait_for
+
+FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=30.0, verifier_retry_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-smollm2-vocab")
+    model = tiny_llama(vocab=49152)
+    model.save_pretrained(path)
+    tok = load_tokenizer()  # SmolLM2's, with its chat template
+    tok.save_pretrained(path)
+    return path, model, tuple(eos_token_ids(model, tok))
+
+
+def _reference(model, prompt: list[int], n: int, eos: tuple[int, ...]) -> list[int]:
+    out = hf_greedy(model, prompt, n)
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), n)]
+
+
+def _generate_json(capsys, *args: str) -> dict:
+    capsys.readouterr()
+    assert cli.main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+# runs first: no Ray in this process yet, so `up` starts (and stops) a Ray of its own
+def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
+    path, _, _ = tiny_dir
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "presto_sd.cli", "up", "--port", "0", "--target", str(path), "--drafter",
+         "random", "--threads", "1", "--drain-s", "0", "--grace-s", "1"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    try:
+        line = up.stdout.readline()
+        assert line, (tmp_path / "up.log").read_text()[-3000:]
+        event = json.loads(line)
+        assert event["event"] == "up"
+        common = ["Name three colors.", "--target", str(path), "--drafter", "random", "--method", "marginal",
+                  "--budget", "8", "--max-new-tokens", "24"]
+        embedded = _generate_json(capsys, *common)
+        through = _generate_json(capsys, *common, "--orchestrator-addr", event["orchestrator"])
+        assert through["token_ids"] == embedded["token_ids"] and through["text"] == embedded["text"]
+        assert through.keys() == embedded.keys() and through["drafter"] == "random"
+        assert through["finish_reason"] == embedded["finish_reason"]
+        family = descendants(up.pid)
+        assert set(event["pids"]) <= family and len(family) > 2  # the servers, and Ray's processes
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        deadline = time.monotonic() + 20
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(family), "orphans: " + ", ".join(
+            open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:80] for p in alive(family))
+    finally:
+        if up.poll() is None:
+            up.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_killed_servers_mid_stream(tiny_dir, ray_local):
+    path, model, eos = tiny_dir
+    servers = {(kind, i): spawn_server(kind, path) for kind in ("verifier", "drafter") for i in range(2)}
+    orch = None
+    try:
+        addr = {k: f"127.0.0.1:{wait_for(lines, 'listening')['port']}" for k, (_, lines) in servers.items()}
+        for _, lines in servers.values():
+            wait_for(lines, "serving")
+        orch = Orchestrator.start([remote_spec("drafter", addr["drafter", i]) for i in range(2)],
+                                  [remote_spec("verifier", addr["verifier", i]) for i in range(2)])
+        params = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=8, depth=4),
+                                  max_new_tokens=40, stop_token_ids=eos, faults=FAST)
+        prompts = [[1, 9690, 198, 100 + 17 * i] for i in range(6)]
+        out: dict[int, list[int]] = {}
+        started = threading.Barrier(len(prompts) + 1)
+
+        def run(i: int) -> None:
+            tokens = []
+            for k, chunk in enumerate(orch.stream(GenerateJob(tuple(prompts[i]), params))):
+                tokens.extend(chunk.tokens)
+                if k == 2:
+                    started.wait(timeout=120)
+            out[i] = tokens
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        started.wait(timeout=120)
+        for kind, pool in (("drafter", orch.drafters), ("verifier", orch.verifiers)):
+            assert pool.replicas[0].sessions, kind  # least-loaded placement used both replicas
+            servers[kind, 0][0].kill()  # SIGKILL: no drain, sessions gone
+        for t in threads:
+            t.join(timeout=180)
+        assert [out[i] for i in range(len(prompts))] == [_reference(model, p, 40, eos) for p in prompts]
+        tallies = orch.metrics.tallies
+        for kind in ("ar_round", "drafter_rehome", "verifier_rehome", "verifier_reprefill"):
+            assert tallies[f"fallback:{kind}"] >= 1, (kind, tallies)
+        assert not orch.requests and not any(r.sessions for r in orch.verifiers.replicas)
+    finally:
+        if orch is not None:
+            orch.shutdown()
+        for proc, _ in servers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(timeout=30)
