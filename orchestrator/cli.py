@@ -182,14 +182,14 @@ def run_serve(args: argparse.Namespace) -> int:
 class _Child:
     """A server subprocess; its stderr is passed through, its JSON events are watched."""
 
-    def __init__(self, kind: str, args: argparse.Namespace) -> None:
+    def __init__(self, kind: str, args: argparse.Namespace, echo: bool = True) -> None:
         cmd = [sys.executable, "-m", "presto_sd.cli", "serve", kind, "--port", "0",
                "--drain-s", str(args.drain_s), "--grace-s", str(args.grace_s)]
         passed = (("--target", args.target), ("--drafter", args.drafter), ("--threads", args.threads))
         for flag, value in passed:
             if value is not None:
                 cmd += [flag, str(value)]
-        self.kind, self.events = kind, {}
+        self.kind, self.events, self.echo = kind, {}, echo
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      preexec_fn=_die_with_parent)
@@ -197,7 +197,8 @@ class _Child:
 
     def _read(self) -> None:
         for line in self.proc.stderr:
-            sys.stderr.write(line)
+            if self.echo:
+                sys.stderr.write(line)
             if line.startswith("{"):
                 try:
                     event = json.loads(line)
