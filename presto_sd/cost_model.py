@@ -7,14 +7,16 @@ matmuls) and with the context (attention reads the KV cache: ``c`` for the queri
 every forward has, ``d`` for each extra node). On a GPU ``b`` and ``d`` are near zero up
 to hundreds of nodes. TAPS (``presto_sd.taps``) sizes trees with it.
 
-``OnlineCostModel`` fits the four coefficients from measured forwards: a Huber-weighted
-least squares over a sliding window (robust to a noisy neighbour stealing a core), pulled
-toward a warm start (a start-up calibration or the verifier's own fit) so that a few
-observations at one tree size cannot swing the slope. Pure numpy: no model in here.
+``OnlineCostModel`` fits the four coefficients from measured forwards: a Huber-weighted,
+non-negative least squares over a sliding window (robust to a noisy neighbour stealing a
+core), pulled toward a warm start (a start-up calibration or the verifier's own fit) so
+that a few observations at one tree size cannot swing the slope, while a full window of
+them can. Pure numpy: no model in here.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,6 +34,10 @@ class CostFit:
     per_context_s: float
     per_node_context_s: float  # per node per 1024 context tokens
     n_obs: int = 0
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(c) and c >= 0 for c in self.coeffs):
+            raise ValueError(f"cost: coefficients {self.coeffs} must be finite and >= 0")
 
     @property
     def coeffs(self) -> tuple[float, float, float, float]:
@@ -56,35 +62,60 @@ def fit_cost(
     huber_k: float = 1.5,
     iters: int = 8,
 ) -> CostFit:
-    """Robust (Huber IRLS) least squares, ridge-pulled toward ``prior``.
+    """Robust (Huber IRLS) non-negative least squares, pulled toward ``prior``.
 
-    ``prior_weight`` counts as that many pseudo-observations spread over the prior's
-    range, so the prior dominates with few points and fades as the window fills.
-    Coefficients that would make the cost shrink with the tree are clipped at zero.
+    The prior counts as ``prior_weight`` pseudo-observations at the data's own points (a
+    ridge ``(k / N) X'X`` toward it): it outweighs a handful of forwards and fades as the
+    window fills; a faint ridge keeps the directions the data never spans (one tree size,
+    one context) at the prior. Coefficients are fitted >= 0 exactly (a bigger tree or
+    context is never cheaper): clipping after the solve would wreck collinear pairs such
+    as the intercept and the context term when the context barely varies.
     """
     n = np.asarray(n_nodes, dtype=np.float64)
     ctx = np.asarray(context, dtype=np.float64)
     y = np.asarray(seconds, dtype=np.float64)
+    if len(y) == 0:
+        if prior is None:
+            raise ValueError("fit_cost: no observations and no prior")
+        return prior
     x = _design(n, ctx)
-    # scale columns so the ridge treats the four terms alike
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-9) if len(y) else np.ones(4)
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-9)  # the ridge treats the four terms alike
     xs = x / scale
     theta0 = np.array(prior.coeffs) * scale if prior is not None else np.zeros(4)
-    ridge = (prior_weight if prior is not None else 1e-6) * np.eye(4)
+    ridge = 1e-6 * np.eye(4)
+    if prior is not None:
+        ridge = ridge + (prior_weight / len(y)) * (xs.T @ xs)
     w = np.ones(len(y))
-    theta = theta0.copy()
+    theta = theta0
     for _ in range(iters):
         xtw = xs.T * w
-        theta = np.linalg.solve(xtw @ xs + ridge, xtw @ y + ridge @ theta0)
+        theta = _nonneg_quadratic_min(xtw @ xs + ridge, xtw @ y + ridge @ theta0)
         r = y - xs @ theta
-        mad = np.median(np.abs(r - np.median(r))) if len(r) else 0.0
-        s = max(1.4826 * mad, 1e-6)
+        # MAD scale, floored at 2% of a forward: exact data must not make every point an outlier
+        s = max(1.4826 * np.median(np.abs(r - np.median(r))), 0.02 * float(np.median(np.abs(y))), 1e-9)
         a = np.abs(r) / s
         w = np.where(a <= huber_k, 1.0, huber_k / np.maximum(a, 1e-12))
     coeffs = theta / scale
-    coeffs[1:] = np.maximum(coeffs[1:], 0.0)  # never cheaper for a bigger tree or context
-    coeffs[0] = max(coeffs[0], 0.0)
     return CostFit(*(float(c) for c in coeffs), n_obs=len(y) + (prior.n_obs if prior else 0))
+
+
+def _nonneg_quadratic_min(h: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ``t'Ht - 2b't`` over ``t >= 0`` for a small positive-definite ``H``.
+
+    The optimum solves the unconstrained problem on its free coordinates, so the best
+    feasible solution over all 2^4 free sets is exact.
+    """
+    k = len(b)
+    best, best_f = np.zeros(k), 0.0
+    for mask in range(1, 2**k):
+        free = [i for i in range(k) if mask >> i & 1]
+        t = np.zeros(k)
+        t[free] = np.linalg.solve(h[np.ix_(free, free)], b[free])
+        if np.all(t >= 0):
+            f = t @ h @ t - 2 * b @ t
+            if f < best_f:
+                best, best_f = t, f
+    return best
 
 
 class OnlineCostModel:
@@ -98,8 +129,8 @@ class OnlineCostModel:
         self._fit = prior
 
     def observe(self, n_nodes: int, context: int, seconds: float) -> None:
-        if seconds <= 0 or n_nodes < 1:
-            return
+        if not (math.isfinite(seconds) and seconds > 0) or n_nodes < 1 or context < 0:
+            return  # a clock glitch must not poison the window
         self.obs.append((n_nodes, context, seconds))
         self._since_fit += 1
         if self._fit is None or self._since_fit >= self.refit_every:

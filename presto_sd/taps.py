@@ -51,6 +51,8 @@ def choose_budget(
     expected = np.concatenate([[0.0], np.cumsum(r)])
     seconds = draft_s + np.asarray(cost.seconds(b + 1, context)) + node_penalty_s * b
     objective = (1.0 + expected) / np.maximum(seconds, 1e-9)
+    if not np.all(np.isfinite(objective)):
+        raise ValueError(f"choose_budget: non-finite rates (draft_s {draft_s}, cost {cost})")
     # the first (near-)maximum: a gain below float noise never buys a bigger tree
     best = int(np.argmax(objective >= objective.max() * (1 - 1e-9)))
     return BudgetChoice(best, float(expected[best]), float(objective[best]), tuple(objective.tolist()))

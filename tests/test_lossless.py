@@ -143,3 +143,20 @@ def test_smollm2_greedy_equals_ar():
                                       max_new_tokens=32, stop_token_ids=stack.verifier.eos_token_ids)
             res = generate(stack.verifier, stack.drafter, prompt, params)
             assert res.token_ids == ref, method
+
+
+def test_taps_trees_really_reach_the_verifier(tiny_target):
+    """Whatever cost the tiny model measures, a flat cost makes TAPS fill its cap: the
+    taps equality tests above then exercise real trees, not AR steps."""
+    from presto_sd.cost_model import CostFit, OnlineCostModel
+
+    verifier, drafter = make_engines(tiny_target)
+    verifier.forward_costs = OnlineCostModel(prior=CostFit(0.05, 0.0, 0.0, 0.0))
+    verifier.forward_costs.observe = lambda *a: None  # keep it flat: this test is about trees
+    res = run(verifier, drafter, PROMPTS[0], "taps", 24, budget=16, depth=8)
+    assert res.token_ids == hf_greedy(tiny_target, PROMPTS[0], 24)
+    assert max(r.tree_size for r in res.rounds) > 4
+    calibrated, _ = make_engines(tiny_target)
+    res = run(calibrated, drafter, PROMPTS[1], "taps", 24, budget=16, depth=8)
+    assert res.token_ids == hf_greedy(tiny_target, PROMPTS[1], 24)
+    assert calibrated.cost_model() is not None  # the loop calibrated it on first use

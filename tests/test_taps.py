@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from presto_sd.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
 from presto_sd.cost_model import CostFit, OnlineCostModel, fit_cost
-from presto_sd.scores import ConstantRho
+from presto_sd.scores import ConstantRho, NGramRho
 from presto_sd.taps import choose_budget
 from tests.test_builders import assert_well_formed, ctx_for, random_marginals
 
@@ -95,6 +95,45 @@ def test_online_model_stays_near_its_prior_with_few_points_and_then_follows_the_
     assert model.fit.seconds(32, 100) == pytest.approx(3 * prior.seconds(32, 100), rel=0.1)
 
 
+@pytest.mark.parametrize("prior", [CostFit(0.03, 0.01, 0.0, 0.0), CostFit(0.03, 0.0004, 0.0, 0.0),
+                                   CostFit(0.008, 0.0, 0.0, 0.0)])
+def test_a_full_window_overrules_a_wrong_prior(prior):
+    truth = CostFit(0.03, 0.002, 1e-5, 0.001)
+    model = OnlineCostModel(prior=prior, window=256, refit_every=16)
+    rng = np.random.default_rng(1)
+    for _ in range(256):
+        n, ctx = int(rng.integers(1, 65)), int(rng.integers(50, 400))
+        model.observe(n, ctx, float(truth.seconds(n, ctx)))
+    for n in (1, 17, 33, 65):
+        assert model.fit.seconds(n, 200) == pytest.approx(truth.seconds(n, 200), rel=0.1)
+
+
+def test_flat_forwards_at_one_context_fit_flat_without_breaking_the_intercept():
+    # a GPU: ~8 ms whatever the tree, one request (the context barely moves); the prior
+    # (a calibration on a busier day) is 3x off at 64 nodes
+    prior = CostFit(0.01, 0.0002, 1e-6, 0.0)
+    n = np.tile([1, 8, 16, 32, 64], 40)  # 200 forwards: the prior weighs 4 of them
+    ctx = 300 + np.arange(len(n)) // 20
+    fit = fit_cost(n, ctx, np.full(len(n), 0.008), prior)
+    for size in (1, 32, 64):
+        assert fit.seconds(size, 305) == pytest.approx(0.008, rel=0.1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
+def test_bad_timings_are_ignored_and_bad_coefficients_refused(bad):
+    model = OnlineCostModel(prior=CPU_LIKE, refit_every=1)
+    model.observe(8, 100, bad)
+    assert model.fit == CPU_LIKE and not model.obs
+    with pytest.raises(ValueError, match="finite"):
+        CostFit(0.01, bad if bad != 0.0 else -0.5, 0.0, 0.0)
+
+
+def test_fit_needs_data_or_a_prior():
+    with pytest.raises(ValueError, match="no observations"):
+        fit_cost(np.array([]), np.array([]), np.array([]))
+    assert fit_cost(np.array([]), np.array([]), np.array([]), CPU_LIKE) == CPU_LIKE
+
+
 def pop_order_tree(m, params, rho):
     ctx = ctx_for(m)
     depth = min(params.depth, m.depth)
@@ -107,19 +146,29 @@ def pop_order_tree(m, params, rho):
     cap=st.integers(1, 64),
     depth=st.integers(1, 8),
     k=st.integers(1, 6),
-    coeffs=st.tuples(st.floats(0.0, 0.05), st.floats(0.0, 0.02), st.just(0.0), st.just(0.0)),
+    coeffs=st.tuples(st.floats(0.0, 0.05), st.floats(0.0, 0.02), st.floats(0.0, 1e-4),
+                      st.floats(0.0, 0.01)),
+    context=st.lists(st.integers(0, 49), min_size=1, max_size=300),
+    node_penalty_s=st.sampled_from([0.0, 0.001, 0.01]),
+    rho=st.sampled_from(["constant", "ngram", "marginal"]),
 )
-def test_taps_tree_is_the_best_first_prefix_of_its_budget(seed, cap, depth, k, coeffs):
+def test_taps_tree_is_the_best_first_prefix_of_its_budget(
+    seed, cap, depth, k, coeffs, context, node_penalty_s, rho
+):
     m = random_marginals(depth, k, seed=seed)
-    params = TreeParams(method="taps", budget=cap, depth=depth, cost=CostFit(*coeffs), draft_s=0.01)
-    built = build_taps_tree(4, ctx_for(m), ConstantRho(0.7), params)
+    params = TreeParams(method="taps", budget=cap, depth=depth, cost=CostFit(*coeffs), draft_s=0.01,
+                        node_penalty_s=node_penalty_s)
+    provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(), "marginal": None}[rho]
+    ctx = ctx_for(m, context)
+    built = build_taps_tree(context[-1], ctx, provider, params)
     assert_well_formed(built.tree, cap, depth)
-    full = pop_order_tree(m, params, ConstantRho(0.7))
+    full = _best_first(context[-1], min(depth, m.depth), cap, AcceptanceScorer(ctx_for(m, context), provider))
     keep = len(built.tree.tokens)
     assert built.tree.tokens == full.tree.tokens[:keep] and built.tree.parents == full.tree.parents[:keep]
     # the early stop is exact: B* over the whole pop order is the budget kept
     reaches = [math.exp(x) for x in full.path_scores[1:]]
-    assert keep - 1 == choose_budget(reaches, params.cost, 3, params.draft_s).budget
+    want = choose_budget(reaches, params.cost, len(context) - 1, params.draft_s, node_penalty_s)
+    assert keep - 1 == want.budget
     # reach never grows along a path: path scores are log-reaches, so each child <= parent
     for node in range(1, keep):
         assert built.path_scores[node] <= built.path_scores[built.tree.parents[node]] + 1e-9

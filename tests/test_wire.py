@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -93,3 +95,29 @@ def test_delta_round_trip_and_checks():
         wire.delta_from_pb(pb.FeatureDelta(start=0, tokens=[1, 2], features=feats))
     with pytest.raises(InvalidArgumentError, match="session.session_id"):
         wire.session_ref_from_pb(pb.SessionRef(session_id="", base=0))
+
+
+def test_cost_model_round_trips_in_tree_params_and_verifier_info():
+    from presto_sd.cost_model import CostFit
+    from presto_sd.tree import TreeLimits
+    from verifier_service import wire as vwire
+    from verifier_service.engine import VerifierInfo, VerifierLimits
+
+    fit = CostFit(0.03, 0.0015, 2e-5, 0.002, n_obs=48)
+    p = TreeParams(method="taps", budget=64, cost=fit, draft_s=0.004, node_penalty_s=0.001, depth_penalty=0.5)
+    assert wire.tree_params_from_pb(wire.tree_params_to_pb(p)) == p
+    assert wire.tree_params_from_pb(pb.TreeParams(method="taps")).cost is None
+    limits = VerifierLimits(tree=TreeLimits(vocab_size=10))
+    info = VerifierInfo("m", "float32", "cpu", 10, (2,), (0, 1), limits)
+    assert vwire.info_from_pb(vwire.info_to_pb(info)) == info  # uncalibrated: unset, None
+    with_cost = replace(info, cost=fit)
+    assert vwire.info_from_pb(vwire.info_to_pb(with_cost)) == with_cost
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.1])
+def test_bad_cost_coefficients_name_the_field(bad):
+    msg = pb.TreeParams(method="taps", cost=pb.CostFit(intercept_s=0.01, per_node_s=bad))
+    with pytest.raises(InvalidArgumentError, match="tree.cost"):
+        wire.tree_params_from_pb(msg)
+    with pytest.raises(InvalidArgumentError, match="tree.draft_s"):
+        wire.tree_params_from_pb(pb.TreeParams(method="taps", draft_s=bad if bad < 0 else float("nan")))

@@ -18,7 +18,8 @@ from presto_sd.cost_model import CostFit, fit_cost
 from presto_sd.tree import TokenTree
 from verifier_service.engine import Verifier
 
-DEFAULT_SIZES = (1, 4, 8, 16, 32, 64)
+DEFAULT_SIZES = (1, 4, 8, 16, 32, 64, 128)
+GPU_SIZES = (256, 512)  # where a GPU's flat cost bends: measured, not extrapolated
 DEFAULT_CONTEXTS = (32, 256)
 
 
@@ -50,6 +51,8 @@ def calibrate_verify_cost(
     """Time ``verify`` over ``sizes x contexts x repeats`` and fit the cost model."""
     info = verifier.info()
     lim = info.limits
+    if info.device.startswith("cuda"):
+        sizes = (*sizes, *GPU_SIZES)
     sizes = sorted({max(1, min(n, lim.tree.max_nodes)) for n in sizes})
     depth_cap = max(1, min(lim.tree.max_depth, 8))
     contexts = sorted({max(2, min(c, lim.max_context - depth_cap - 8 - repeats * len(sizes) * 9))

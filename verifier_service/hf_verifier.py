@@ -259,24 +259,26 @@ class HFVerifier(Verifier):
     ) -> VerifyResult:
         """The forward on the session's own cache, the walk, then keep the accepted path.
 
-        Only these single-tree forwards refine the cost model (TAPS's ``c(B)`` is per tree).
+        Only these single-tree verifications refine the cost model (TAPS's ``c(B)`` is per
+        tree), timed over the same span as the calibration's: the whole verification.
         """
+        t0 = time.perf_counter()
         mask = None
         if len(tree.tokens) > 1:
             mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
         rng = s.generator.get_state()
         try:
-            t0 = time.perf_counter()
             hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
-            if self.forward_costs.prior is not None:  # refine the calibrated fit, never replace it
-                self.forward_costs.observe(len(tree.tokens), base, time.perf_counter() - t0)
             walk, node_probs = self._walk(s, tree, hidden, want_node_probs)
         except BaseException:
             _rollback(s, base, rng)  # never half-applied
             raise
         keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
         _compact_cache(s.cache, keep)
-        return self._commit(s, base, tree, walk, feats, node_probs)
+        result = self._commit(s, base, tree, walk, feats, node_probs)
+        if self.forward_costs.prior is not None:  # refine the calibrated fit, never replace it
+            self.forward_costs.observe(len(tree.tokens), base, time.perf_counter() - t0)
+        return result
 
     def _verify_together(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
         """Checked calls on distinct sessions: forward(s) and walks first, commits after."""

@@ -120,7 +120,9 @@ def chosen_budgets(runs: Sequence[RunLog], path: Path) -> Path:
     top = max((x.tree_size for r in taps for x in r.rounds), default=1)
     bins = [b - 0.5 for b in range(0, top + 2)]
     for j, ds in enumerate(dict.fromkeys(r.dataset for r in taps)):
-        sizes = [x.tree_size for r in taps if r.dataset == ds for x in r.rounds]
+        # rounds where TAPS chose: not the drafter-down fallbacks
+        sizes = [x.tree_size for r in taps if r.dataset == ds for x in r.rounds
+                 if not getattr(x, "fallback", False)]
         ax.hist(sizes, bins=bins, density=True, histtype="step", lw=1.4, color=f"C{j}", label=ds)
     ax.set_xlabel("draft nodes chosen (B*)")
     ax.set_ylabel("share of rounds")

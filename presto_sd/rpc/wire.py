@@ -112,10 +112,10 @@ def cost_to_pb(c: CostFit | None) -> pb.CostFit | None:
 
 
 def cost_from_pb(msg: pb.CostFit, field: str = "cost") -> CostFit:
-    fit = CostFit(msg.intercept_s, msg.per_node_s, msg.per_context_s, msg.per_node_context_s, msg.n_obs)
-    if not all(math.isfinite(x) and x >= 0 for x in fit.coeffs):
-        raise InvalidArgumentError(f"{field}: coefficients {fit.coeffs} must be finite and >= 0")
-    return fit
+    try:
+        return CostFit(msg.intercept_s, msg.per_node_s, msg.per_context_s, msg.per_node_context_s, msg.n_obs)
+    except ValueError as e:
+        raise InvalidArgumentError(f"{field}: {e}") from None
 
 
 def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
