@@ -44,7 +44,7 @@ def rho_providers_from(drafter_dir: Path | None, embed_tokens: torch.Tensor) -> 
     table = drafter_dir / "ngram.json.gz"
     providers["ngram"] = NGramRho(NGramModel.load(table) if table.exists() else None)
     if (drafter_dir / "h_phi" / "h_phi.json").exists():
-        providers["hphi"] = LearnedRho(HPhi.load(drafter_dir / "h_phi"), embed_tokens)
+        providers["hphi"] = LearnedRho(HPhi.load(drafter_dir / "h_phi"), embed_tokens, providers["ngram"])
     return providers
 
 

@@ -105,22 +105,28 @@ class NGramRho:
 class HPhi(nn.Module):
     """The learned acceptance predictor: a 2-layer MLP on node features -> logit of rho.
 
-    A linear path on the three scalar features (``log q``, entropy, depth) runs beside the
-    MLP, so h_phi starts from — and can never do much worse than — a calibrated ``q``.
+    A linear path on the scalar features (``log q``, entropy, depth and, with
+    ``n_scalars = 4``, the n-gram's ``log rho``) runs beside the MLP, so h_phi starts from
+    — and can never do much worse than — a calibrated ``q`` (or q and n-gram together).
     """
 
-    def __init__(self, hidden_size: int, embed_size: int, width: int = 256, dropout: float = 0.1) -> None:
+    def __init__(
+        self, hidden_size: int, embed_size: int, width: int = 256, dropout: float = 0.1, n_scalars: int = 3
+    ) -> None:
         super().__init__()
+        if n_scalars not in (3, 4):
+            raise ValueError(f"h_phi: n_scalars = {n_scalars}: 3 (q, entropy, depth) or 4 (+ n-gram)")
         self.config = {"hidden_size": hidden_size, "embed_size": embed_size, "width": width,
-                       "dropout": dropout}
+                       "dropout": dropout, "n_scalars": n_scalars}
+        self.n_scalars = n_scalars
         self.net = nn.Sequential(
-            nn.Linear(hidden_size + 2 * embed_size + 3, width), nn.SiLU(), nn.Dropout(dropout),
+            nn.Linear(hidden_size + 2 * embed_size + n_scalars, width), nn.SiLU(), nn.Dropout(dropout),
             nn.Linear(width, 1),
         )
-        self.scalar = nn.Linear(3, 1)
+        self.scalar = nn.Linear(n_scalars, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return (self.net(features) + self.scalar(features[..., -3:])).squeeze(-1)
+        return (self.net(features) + self.scalar(features[..., -self.n_scalars :])).squeeze(-1)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -143,30 +149,37 @@ def hphi_features(
     log_q: torch.Tensor,
     entropy: torch.Tensor,
     depth: torch.Tensor,
+    log_rho_ngram: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Feature rows [..., H + 2E + 3] for ``HPhi``; all leading shapes must broadcast."""
+    """Feature rows [..., H + 2E + 3 (+1)] for ``HPhi``; all leading shapes must broadcast."""
     lead = log_q.shape
-    return torch.cat(
-        [
-            hidden.expand(*lead, hidden.shape[-1]),
-            parent_emb.expand(*lead, parent_emb.shape[-1]),
-            cand_emb.expand(*lead, cand_emb.shape[-1]),
-            log_q[..., None],
-            entropy.expand(lead)[..., None],
-            (depth.float() / 16.0).expand(lead)[..., None],
-        ],
-        dim=-1,
-    )
+    cols = [
+        hidden.expand(*lead, hidden.shape[-1]),
+        parent_emb.expand(*lead, parent_emb.shape[-1]),
+        cand_emb.expand(*lead, cand_emb.shape[-1]),
+        log_q[..., None],
+        entropy.expand(lead)[..., None],
+        (depth.float() / 16.0).expand(lead)[..., None],
+    ]
+    if log_rho_ngram is not None:  # the n-gram's view of the prefix: what q cannot see
+        cols.append(log_rho_ngram.float().expand(lead)[..., None])
+    return torch.cat(cols, dim=-1)
 
 
 @dataclass
 class LearnedRho:
-    """``rho = sigmoid(h_phi(features))``; needs the target's token embeddings."""
+    """``rho = sigmoid(h_phi(features))``; needs the target's token embeddings, and the
+    n-gram provider when h_phi was trained with its ``log rho`` as a feature."""
 
     model: HPhi
     embed_tokens: torch.Tensor  # [V, E]
+    ngram: NGramRho | None = None
     name: str = "hphi"
     _dtype: torch.dtype = field(default=torch.float32, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model.n_scalars == 4 and self.ngram is None:
+            raise ValueError("this h_phi reads the n-gram's log rho: give LearnedRho an NGramRho")
 
     @torch.no_grad()
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
@@ -176,6 +189,9 @@ class LearnedRho:
         parents = torch.tensor(
             [p[-1] if p else ctx.context_tokens[-1] for p in prefixes], dtype=torch.long
         )
+        log_rho_ngram = None
+        if self.model.n_scalars == 4:
+            log_rho_ngram = self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
         feats = hphi_features(
             m.hidden[depth - 1].float()[None, None],
             self.embed_tokens[parents].float()[:, None],
@@ -183,6 +199,7 @@ class LearnedRho:
             log_q.float(),
             m.entropy[depth - 1].float(),
             torch.tensor(depth),
+            log_rho_ngram,
         )
         logits = self.model(feats)
         return torch.nn.functional.logsigmoid(logits).clamp(min=math.log(RHO_FLOOR))

@@ -211,3 +211,22 @@ def test_ngram_backoff_and_persistence(tmp_path):
     again = NGramModel.load(tmp_path / "t.json.gz")
     assert torch.allclose(again.probs([1, 2], [3, 4, 5]), p)
     assert math.isclose(float(ng.probs([1, 2], list(range(10))).sum()), 1.0, rel_tol=1e-5)
+
+
+def test_hphi_with_the_ngram_feature_needs_the_ngram_and_reads_it():
+    from presto_sd.scores import HPhi, LearnedRho
+
+    m = random_marginals(3, 4)
+    embed = torch.randn(50, 6)
+    model = HPhi(hidden_size=8, embed_size=6, n_scalars=4).eval()
+    with pytest.raises(ValueError, match="NGramRho"):
+        LearnedRho(model, embed)
+    ctx = ctx_for(m, [1, 2, 3, 4, 1, 2, 3])
+    toks, log_q = m.token_ids[1][None], m.log_probs[1][None]
+    with_table = LearnedRho(model, embed, NGramRho())
+    a = with_table.log_rho(ctx, 2, [[int(m.token_ids[0, 0])]], toks, log_q)
+    ctx.online_ngram = None  # the n-gram now knows nothing: the feature, and rho, change
+    b = with_table.log_rho(ctx, 2, [[int(m.token_ids[0, 0])]], toks, log_q)
+    assert a.shape == (1, 4) and not torch.allclose(a, b)
+    old = HPhi(hidden_size=8, embed_size=6)  # checkpoints without the feature still load and run
+    assert LearnedRho(old, embed).log_rho(ctx, 2, [[1]], toks, log_q).shape == (1, 4)

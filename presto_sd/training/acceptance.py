@@ -129,7 +129,7 @@ def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table
 
 def features_of(t: Traces, embed: torch.Tensor) -> torch.Tensor:
     return hphi_features(t.hidden.float(), embed[t.parent].float(), embed[t.token].float(),
-                         t.log_q.float(), t.entropy.float(), t.depth)
+                         t.log_q.float(), t.entropy.float(), t.depth, t.log_rho_ngram.float())
 
 
 def train_hphi(train: Traces, embed: torch.Tensor, epochs: int, seed: int) -> HPhi:
@@ -143,7 +143,9 @@ def train_hphi(train: Traces, embed: torch.Tensor, epochs: int, seed: int) -> HP
     fit, val = train.select(train.prompt <= cut), train.select(train.prompt > cut)
     x, y = features_of(fit, embed), fit.label.float()
     xv, yv = features_of(val, embed), val.label.float()
-    model = HPhi(hidden_size=train.hidden.shape[1], embed_size=embed.shape[1])
+    # the n-gram's log rho is a feature: h_phi then ranks with what the prefix says (as
+    # PRESTO's n-gram term does) and stays calibrated (what TAPS sums)
+    model = HPhi(hidden_size=train.hidden.shape[1], embed_size=embed.shape[1], n_scalars=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     best, best_state = float("inf"), None
     for _ in tqdm(range(epochs), desc="h_phi", mininterval=10):
