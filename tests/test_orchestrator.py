@@ -28,7 +28,8 @@ from orchestrator.generate import GenerationParams
 from orchestrator.metrics import prometheus_names
 from orchestrator.scheduler import Orchestrator
 from presto_sd.builders import TreeParams
-from presto_sd.messages import InvalidArgumentError, UnavailableError
+from presto_sd.messages import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from presto_sd.rpc.client import ClientConfig
 from presto_sd.rpc.server import GrpcServer, ServerConfig
 from tests import rpc_util
 from tests.conftest import hf_greedy
@@ -156,6 +157,23 @@ def test_bad_requests_get_their_status(stack):
     assert status == health_pb2.HealthCheckResponse.SERVING
     info = client.info()
     assert list(info.drafter_replicas) == ["tiny-0", "tiny-1"] and info.default_method == "marginal"
+
+
+def test_token_auth_guards_the_stream(tiny_target, stack):
+    orch, _, _ = stack
+    servicer = service.OrchestratorServicer()
+    servicer.defaults = service.ServiceDefaults(DEFAULTS)
+    config = ServerConfig(auth_token="s3cret", drain_s=0.0, grace_s=0.0)
+    server = GrpcServer(config, servicer, service.add_to_server, service.SERVICE_NAME)
+    address = f"127.0.0.1:{rpc_util.run(server.start())}"
+    rpc_util.run(server.attach(orch))
+    try:
+        with pytest.raises(UnauthenticatedError):
+            _tokens(OrchestratorClient(address), [0, 3, 5], max_new_tokens=4)
+        good = OrchestratorClient(address, ClientConfig(auth_token="s3cret"))
+        assert _tokens(good, [0, 3, 5], max_new_tokens=4)[0] == hf_greedy(tiny_target, [0, 3, 5], 4)
+    finally:
+        rpc_util.run(server.stop(0))
 
 
 def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack):
