@@ -118,6 +118,7 @@ def build(args: argparse.Namespace):
     if _addrs(args.drafter_addr):  # the drafter servers say what they run and its fitted settings
         dinfo = orch.drafters.replicas[0].call("info").value
         presto = {k: v for k, v in (("rho", dinfo.default_rho), ("lambdas", dinfo.default_lambdas)) if v}
+        presto["rho_providers"] = dinfo.rho_providers  # taps takes h_phi where there is one
         drafter_name = dinfo.name or "random"
     else:
         spec = resolve_drafter(args.drafter, args.target)

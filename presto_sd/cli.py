@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_taps_rho(presto_defaults: dict) -> str | None:
-    """TAPS sums reaches, so it wants calibrated acceptance: h_phi where the drafter has one."""
-    return "hphi" if "hphi" in presto_defaults.get("lambdas_by_rho", {}) else None
+    """TAPS sums reaches, so it wants calibrated acceptance: h_phi where the drafter has one
+    (a local drafter's presto.json fitted it; a remote drafter lists its providers)."""
+    have = {*presto_defaults.get("lambdas_by_rho", {}), *presto_defaults.get("rho_providers", ())}
+    return "hphi" if "hphi" in have else None
 
 
 def generation_params(args: argparse.Namespace, eos: tuple[int, ...], presto_defaults: dict):

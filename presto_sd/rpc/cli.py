@@ -141,4 +141,5 @@ def remote_stack(args: argparse.Namespace) -> RemoteStack:
             presto["rho"] = info.default_rho
         if info.default_lambdas:
             presto["lambdas"] = info.default_lambdas
+        presto["rho_providers"] = info.rho_providers
     return RemoteStack(verifier, drafter, load_tokenizer(args.target), spec, presto)
