@@ -106,8 +106,11 @@ def _nonneg_quadratic_min(h: np.ndarray, b: np.ndarray) -> np.ndarray:
     feasible solution over all 2^4 free sets is exact.
     """
     k = len(b)
+    full = np.linalg.solve(h, b)
+    if np.all(full >= 0):  # the usual case: no constraint binds, one solve
+        return full
     best, best_f = np.zeros(k), 0.0
-    for mask in range(1, 2**k):
+    for mask in range(1, 2**k - 1):
         free = [i for i in range(k) if mask >> i & 1]
         t = np.zeros(k)
         t[free] = np.linalg.solve(h[np.ix_(free, free)], b[free])
@@ -121,7 +124,7 @@ def _nonneg_quadratic_min(h: np.ndarray, b: np.ndarray) -> np.ndarray:
 class OnlineCostModel:
     """A sliding window of measured forwards, refit every ``refit_every`` observations."""
 
-    def __init__(self, prior: CostFit | None = None, window: int = 256, refit_every: int = 8) -> None:
+    def __init__(self, prior: CostFit | None = None, window: int = 256, refit_every: int = 16) -> None:
         self.prior = prior
         self.obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.refit_every = refit_every
