@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import functools
-import json
 import queue
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 from orchestrator.actors import ReplicaSpec
+from tests.rpc_util import spawn
 
 
 def tiny_engine(kind: str):
@@ -28,31 +25,9 @@ def tiny_spec(kind: str, index: int = 0) -> ReplicaSpec:
 
 
 # -- real server processes --------------------------------------------------------------
-def spawn(args: list[str], stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, queue.Queue]:
-    """``presto-sd ARGS`` as a process; its stderr lines arrive on the queue."""
-    proc = subprocess.Popen([sys.executable, "-m", "presto_sd.cli", *args], stderr=subprocess.PIPE,
-                            stdout=stdout, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
-    return proc, lines
-
-
 def spawn_server(kind: str, target: Path) -> tuple[subprocess.Popen, queue.Queue]:
     return spawn(["serve", kind, "--port", "0", "--target", str(target), "--drafter", "random",
                   "--threads", "1", "--drain-s", "0", "--grace-s", "0"])
-
-
-def wait_for(lines: queue.Queue, event: str, timeout: float = 180.0) -> dict:
-    """The first JSON log line of ``event`` (earlier lines are dropped)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if line.startswith("{") and json.loads(line).get("event") == event:
-            return json.loads(line)
-    raise TimeoutError(f"no {event!r} event")
 
 
 def descendants(pid: int) -> set[int]:

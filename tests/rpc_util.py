@@ -9,7 +9,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
+import queue
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -115,3 +120,26 @@ def make_pki(tmp: Path) -> dict[str, str]:
                          ExtendedKeyUsageOID.CLIENT_AUTH), client_key)
     return {k: str(tmp / k) for k in [
         "ca.pem", "other_ca.pem", "server.pem", "server.key", "client.pem", "client.key"]}
+
+
+# -- real server processes --------------------------------------------------------------
+def spawn(args: list[str], stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, queue.Queue]:
+    """``presto-sd ARGS`` as a process; its stderr lines arrive on the queue."""
+    proc = subprocess.Popen([sys.executable, "-m", "presto_sd.cli", *args], stderr=subprocess.PIPE,
+                            stdout=stdout, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    return proc, lines
+
+
+def wait_for(lines: queue.Queue, event: str, timeout: float = 180.0) -> dict:
+    """The first JSON log line of ``event`` (earlier lines are dropped)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if line.startswith("{") and json.loads(line).get("event") == event:
+            return json.loads(line)
+    raise TimeoutError(f"no {event!r} event")

@@ -7,7 +7,6 @@ import json
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -30,7 +29,7 @@ from presto_sd.messages import (
 from presto_sd.rpc.client import ClientConfig, make_channel
 from presto_sd.rpc.server import NOT_SERVING, SERVING, ServerConfig
 from tests.conftest import hf_greedy, make_engines, tiny_drafter_model
-from tests.rpc_util import LocalServer, make_pki, submit
+from tests.rpc_util import LocalServer, make_pki, spawn, submit, wait_for
 from verifier_service.hf_verifier import HFVerifier
 from verifier_service.remote import RemoteVerifier
 
@@ -257,24 +256,8 @@ def test_verifier_restarted_mid_generation(tiny_target):
 
 # -- the real target, through the CLI, with real processes ------------------------------
 def _spawn(kind: str) -> tuple[subprocess.Popen, queue.Queue]:
-    cmd = [sys.executable, "-m", "presto_sd.cli", "serve", kind, "--port", "0", "--drafter", "random",
-           "--threads", "1", "--drain-s", "0.5", "--grace-s", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
-    return proc, lines
-
-
-def _wait_for(lines: queue.Queue, event: str, timeout: float = 180.0) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if line.startswith("{") and json.loads(line).get("event") == event:
-            return json.loads(line)
-    raise TimeoutError(f"no {event!r} event")
+    return spawn(["serve", kind, "--port", "0", "--drafter", "random", "--threads", "1",
+                  "--drain-s", "0.5", "--grace-s", "1"])
 
 
 @pytest.mark.smollm2
@@ -286,9 +269,9 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
 
     servers = {kind: _spawn(kind) for kind in ("verifier", "drafter")}
     try:
-        ports = {kind: _wait_for(lines, "listening")["port"] for kind, (_, lines) in servers.items()}
+        ports = {kind: wait_for(lines, "listening")["port"] for kind, (_, lines) in servers.items()}
         for _, lines in servers.values():
-            _wait_for(lines, "serving")
+            wait_for(lines, "serving")
         model, tok = load_target(device=torch.device("cpu"))
         eos = set(eos_token_ids(model, tok))
         text = "Write a Python function that reverses a string."
@@ -308,4 +291,4 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
             proc.send_signal(signal.SIGTERM)
         for proc, lines in servers.values():
             assert proc.wait(timeout=30) == 0
-            _wait_for(lines, "stopped", timeout=5)
+            wait_for(lines, "stopped", timeout=5)

@@ -22,7 +22,8 @@ from presto_sd import cli
 from presto_sd.builders import TreeParams
 from presto_sd.models import eos_token_ids, load_tokenizer
 from tests.conftest import hf_greedy, tiny_llama
-from tests.orchestrator_util import alive, descendants, spawn_server, wait_for
+from tests.orchestrator_util import alive, descendants, spawn_server
+from tests.rpc_util import wait_for
 
 FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=30.0, verifier_retry_s=0.05)
 
