@@ -64,8 +64,10 @@ class TreeParams:
             raise ValueError("tree.branching, tree.beam and tree.top_k must be >= 1")
         if not self.lambdas or any(lam < 0 for lam in self.lambdas):
             raise ValueError(f"tree.lambdas = {self.lambdas}: must be non-empty and >= 0")
-        if min(self.draft_s, self.node_penalty_s, self.depth_penalty) < 0:
-            raise ValueError("tree.draft_s, tree.node_penalty_s and tree.depth_penalty must be >= 0")
+        for name in ("draft_s", "node_penalty_s", "depth_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
 
     def lam(self, depth: int) -> float:
         return self.lambdas[min(depth, len(self.lambdas)) - 1]
@@ -218,8 +220,8 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     ``max(best so far, r / m)``: once ``r / m <= best`` the answer is among the popped.
     """
     cost = params.cost
-    per_node = cost.per_node_s + cost.per_node_context_s * base / 1024 + params.node_penalty_s
     fixed = params.draft_s + float(cost.seconds(1, base))
+    per_node = float(cost.seconds(2, base)) - float(cost.seconds(1, base)) + params.node_penalty_s
     state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(fixed, 1e-9)}
 
     def stop(log_reach: float) -> bool:

@@ -132,9 +132,6 @@ def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
         kwargs["cost"] = cost_from_pb(msg.cost, "tree.cost")
     if any(not math.isfinite(lam) for lam in kwargs.get("lambdas", ())):
         raise InvalidArgumentError(f"tree.lambdas = {kwargs['lambdas']}: must be finite")
-    for name in ("draft_s", "node_penalty_s", "depth_penalty"):
-        if not math.isfinite(kwargs.get(name, 0.0)):
-            raise InvalidArgumentError(f"tree.{name}: must be finite")
     try:
         return TreeParams(**kwargs)
     except ValueError as e:
