@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from drafter_service.engine import Drafter
 from orchestrator.faults import DrafterLink, FaultPolicy, VerifierLink
-from orchestrator.round_cost import RoundCostTracker
+from orchestrator.taps_feedback import TapsFeedback
 from presto_sd.acceptance import SamplingParams
 from presto_sd.builders import TreeParams
 from verifier_service.engine import Verifier
@@ -131,7 +131,7 @@ def stream_generate(
         anchor, base = pre.anchor, pre.base
         yield TokenChunk(stopper.accept((anchor,)), None, stopper.finish_reason)
         tree_params = replace(params.tree, method=params.method)
-        costs = RoundCostTracker(verifier) if params.method == "taps" else None
+        taps = TapsFeedback(verifier) if params.method == "taps" else None
         while stopper.finish_reason is None:
             # the bonus token adds one: never draft deeper than the output can still use
             depth = min(tree_params.depth, stopper.remaining - 1)
@@ -139,7 +139,7 @@ def stream_generate(
             d = None  # no tree (AR, the last token, or the drafter is away): one AR step
             if draft is not None and depth >= 1:
                 tp = tree_params if depth == tree_params.depth else replace(tree_params, depth=depth)
-                d = draft.draft(anchor, base, costs.tree_params(tp) if costs else tp)
+                d = draft.draft(anchor, base, taps.tree_params(tp) if taps else tp)
             t1 = time.perf_counter()
             res = target.verify(base, d.tree if d is not None else None)
             t2 = time.perf_counter()
@@ -147,9 +147,10 @@ def stream_generate(
                 draft.commit(res.delta)
             t3 = time.perf_counter()
             size, build_s = (d.tree.size, d.build_s) if d is not None else (0, 0.0)
-            if costs is not None:  # a round's fixed cost: drafting and committing the delta
+            if taps is not None:  # a round's fixed cost: drafting and committing the delta
                 fixed_s = (t1 - t0) + (t3 - t2) if d is not None else 0.0
-                costs.observe(size + 1, base, fixed_s, t2 - t1)
+                taps.observe(d.tree if d is not None else None, d.path_scores if d is not None else (),
+                             tree_params.depth_penalty, base, len(res.accepted), fixed_s, t2 - t1)
             anchor, base = res.bonus, res.base
             fallback = draft is not None and depth >= 1 and d is None
             stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback)

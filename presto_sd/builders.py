@@ -49,11 +49,13 @@ class TreeParams:
     rho: str = "ngram"  # the rho provider PRESTO methods score with; TAPS's a(u)
     top_k: int = 10  # candidates kept per block position (the marginals' K)
     # TAPS: the verifier's cost model, the drafter's seconds per round (0: this round's
-    # forward), and optional penalties: seconds per node, log-reach per depth level
+    # forward), optional penalties (seconds per node, log-reach per depth level), and
+    # the factor on E[T] that the loop fits to the acceptance it observes (taps.py)
     cost: CostFit | None = None
     draft_s: float = 0.0
     node_penalty_s: float = 0.0
     depth_penalty: float = 0.0
+    reach_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -68,6 +70,8 @@ class TreeParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
+        if not (math.isfinite(self.reach_scale) and self.reach_scale > 0):
+            raise ValueError(f"tree.reach_scale = {self.reach_scale}: must be finite and > 0")
 
     def lam(self, depth: int) -> float:
         return self.lambdas[min(depth, len(self.lambdas)) - 1]
@@ -213,22 +217,26 @@ def build_presto_beam_tree(
 
 
 def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
-    """Stop popping once no bigger tree can beat the best rate so far (exact, no penalty).
+    """Stop popping once no bigger tree can beat the best rate so far (exact, no depth penalty).
 
-    The cost is linear in the node count (``m`` seconds a node) and reach never grows in
-    pop order, so after a pop of reach ``r`` every larger tree's rate is at most
-    ``max(best so far, r / m)``: once ``r / m <= best`` the answer is among the popped.
+    From two nodes on, each node adds the same ``m`` seconds (the cost model is linear
+    past its step from one token to a tree) and reach never grows in pop order, so after
+    the ``B``-th pop (``B >= 1``), of reach ``r``, every larger tree's rate is at most
+    ``max(rate(B), k r / m)``: once ``k r / m <= best`` the answer is among the popped.
     """
-    cost = params.cost
-    fixed = params.draft_s + float(cost.seconds(1, base))
-    per_node = float(cost.seconds(2, base)) - float(cost.seconds(1, base)) + params.node_penalty_s
-    state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(fixed, 1e-9)}
+    cost, k = params.cost, params.reach_scale
+    per_node = cost.marginal_node_s(base) + params.node_penalty_s
+
+    def seconds(b: int) -> float:
+        return params.draft_s + float(cost.seconds(b + 1, base)) + params.node_penalty_s * b
+
+    state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(seconds(0), 1e-9)}
 
     def stop(log_reach: float) -> bool:
-        reach = math.exp(log_reach)
+        reach = k * math.exp(log_reach)
         state["nodes"] += 1
         state["expected"] += reach
-        rate = (1 + state["expected"]) / max(fixed + per_node * state["nodes"], 1e-9)
+        rate = (1 + state["expected"]) / max(seconds(state["nodes"]), 1e-9)
         state["best"] = max(state["best"], rate)
         return per_node > 0 and reach <= state["best"] * per_node
 
@@ -249,7 +257,8 @@ def build_taps_tree(
     t = full.tree
     # pop order is node order; the depth penalty steers the ranking, not the reach
     reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
-    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s)
+    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s,
+                           params.reach_scale)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
     return BuiltTree(tree, full.path_scores[:keep])

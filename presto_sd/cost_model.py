@@ -1,13 +1,17 @@
 """The verifier's cost model: seconds of one tree forward against tree size and context.
 
-    c(n, ctx) = a + b * n + c * ctx + d * n * ctx / 1024        (n = tree tokens, root included)
+    c(n, ctx) = a + s * [n > 1] + b * n + c * ctx + d * n * ctx / 1024    (n = tree tokens, root included)
 
 On a CPU the forward grows with the tree (the ``b`` term: every node is a full token of
 matmuls) and with the context (attention reads the KV cache: ``c`` for the queries
-every forward has, ``d`` for each extra node). On a GPU ``b`` and ``d`` are near zero up
-to hundreds of nodes. TAPS (``presto_sd.taps``) sizes trees with it.
+every forward has, ``d`` for each extra node). ``s`` is the step from one token to a
+tree: BLAS runs a one-row matmul as a matrix-vector product, which streams the weights
+once at memory speed, and two or more rows as a matrix product that costs more per
+pass (SmolLM2 on this machine's 2 cores: 38 ms for 1 token, 57 ms for 2, 57 ms for 8;
+docs/taps.md). On a GPU ``s``, ``b`` and ``d`` are near zero up to hundreds of nodes.
+TAPS (``presto_sd.taps``) sizes trees with it.
 
-``OnlineCostModel`` fits the four coefficients from measured forwards: a Huber-weighted,
+``OnlineCostModel`` fits the five coefficients from measured forwards: a Huber-weighted,
 non-negative least squares over a sliding window (robust to a noisy neighbour stealing a
 core), pulled toward a warm start (a start-up calibration or the verifier's own fit) so
 that a few observations at one tree size cannot swing the slope, while a full window of
@@ -33,6 +37,7 @@ class CostFit:
     per_node_s: float
     per_context_s: float
     per_node_context_s: float  # per node per 1024 context tokens
+    tree_s: float = 0.0  # added once to every forward of more than one token
     n_obs: int = 0
 
     def __post_init__(self) -> None:
@@ -40,17 +45,23 @@ class CostFit:
             raise ValueError(f"cost: coefficients {self.coeffs} must be finite and >= 0")
 
     @property
-    def coeffs(self) -> tuple[float, float, float, float]:
-        return (self.intercept_s, self.per_node_s, self.per_context_s, self.per_node_context_s)
+    def coeffs(self) -> tuple[float, float, float, float, float]:
+        """In the order of the constructor (and of the fit's design columns)."""
+        return (self.intercept_s, self.per_node_s, self.per_context_s, self.per_node_context_s, self.tree_s)
 
     def seconds(self, n_nodes: int | np.ndarray, context: int) -> float | np.ndarray:
         """Predicted forward time for trees of ``n_nodes`` tokens (root included)."""
-        a, b, c, d = self.coeffs
-        return a + b * n_nodes + c * context + d * n_nodes * context / _CTX_SCALE
+        a, b, c, d, s = self.coeffs
+        tree = np.asarray(n_nodes) > 1
+        return a + s * tree + b * n_nodes + c * context + d * n_nodes * context / _CTX_SCALE
+
+    def marginal_node_s(self, context: int) -> float:
+        """Seconds one more node adds to a tree that has two or more already."""
+        return self.per_node_s + self.per_node_context_s * context / _CTX_SCALE
 
 
 def _design(n: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-    return np.stack([np.ones_like(n), n, ctx, n * ctx / _CTX_SCALE], axis=1)
+    return np.stack([np.ones_like(n), n, ctx, n * ctx / _CTX_SCALE, (n > 1).astype(n.dtype)], axis=1)
 
 
 def fit_cost(
@@ -79,10 +90,11 @@ def fit_cost(
             raise ValueError("fit_cost: no observations and no prior")
         return prior
     x = _design(n, ctx)
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-9)  # the ridge treats the four terms alike
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-9)  # the ridge treats the terms alike
     xs = x / scale
-    theta0 = np.array(prior.coeffs) * scale if prior is not None else np.zeros(4)
-    ridge = 1e-6 * np.eye(4)
+    k = x.shape[1]
+    theta0 = np.array(prior.coeffs) * scale if prior is not None else np.zeros(k)
+    ridge = 1e-6 * np.eye(k)
     if prior is not None:
         ridge = ridge + (prior_weight / len(y)) * (xs.T @ xs)
     w = np.ones(len(y))
@@ -103,7 +115,7 @@ def _nonneg_quadratic_min(h: np.ndarray, b: np.ndarray) -> np.ndarray:
     """argmin ``t'Ht - 2b't`` over ``t >= 0`` for a small positive-definite ``H``.
 
     The optimum solves the unconstrained problem on its free coordinates, so the best
-    feasible solution over all 2^4 free sets is exact.
+    feasible solution over all 2^k free sets is exact.
     """
     k = len(b)
     full = np.linalg.solve(h, b)

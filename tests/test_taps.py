@@ -13,18 +13,20 @@ from hypothesis import strategies as st
 from presto_sd.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
 from presto_sd.cost_model import CostFit, OnlineCostModel, fit_cost
 from presto_sd.scores import ConstantRho, NGramRho
-from presto_sd.taps import choose_budget
+from presto_sd.taps import AcceptanceCalibrator, choose_budget, expected_accepted
 from tests.test_builders import assert_well_formed, ctx_for, random_marginals
 
 FLAT = CostFit(0.05, 0.0, 0.0, 0.0)
-CPU_LIKE = CostFit(0.030, 0.0015, 2e-5, 0.002)  # ~ SmolLM2 on 2 cores (DESIGN.md §5)
+# ~ SmolLM2 fp32 on 2 cores: 38 ms for one token, 57 for two to eight (docs/taps.md)
+CPU_LIKE = CostFit(0.030, 0.0015, 2e-5, 0.002, tree_s=0.017)
 STEEP = CostFit(0.010, 0.5, 0.0, 0.0)  # every node costs 50x a whole AR step
 
 
-def brute_force_budget(reaches, cost, ctx, draft_s, node_penalty_s=0.0):
+def brute_force_budget(reaches, cost, ctx, draft_s, node_penalty_s=0.0, reach_scale=1.0):
     best, best_val = 0, -1.0
     for b in range(len(reaches) + 1):
-        val = (1 + sum(reaches[:b])) / (draft_s + cost.seconds(b + 1, ctx) + node_penalty_s * b)
+        seconds = draft_s + cost.seconds(b + 1, ctx) + node_penalty_s * b
+        val = (1 + reach_scale * sum(reaches[:b])) / seconds
         if val > best_val * (1 + 1e-9):
             best, best_val = b, val
     return best
@@ -59,23 +61,33 @@ def test_flat_cost_takes_the_cap_and_steep_cost_shrinks_to_a_step():
 @settings(max_examples=60, deadline=None)
 @given(
     reaches=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=40),
-    coeffs=st.tuples(*[st.floats(0.0, 0.1)] * 4),
+    coeffs=st.tuples(*[st.floats(0.0, 0.1)] * 5),
     draft_s=st.floats(0.001, 0.5),
     ctx=st.integers(0, 4000),
+    reach_scale=st.floats(0.25, 4.0),
 )
-def test_budget_matches_brute_force(reaches, coeffs, draft_s, ctx):
+def test_budget_matches_brute_force(reaches, coeffs, draft_s, ctx, reach_scale):
     cost = CostFit(*coeffs)
-    choice = choose_budget(reaches, cost, ctx, draft_s)
-    want = brute_force_budget(reaches, cost, ctx, draft_s)
+    choice = choose_budget(reaches, cost, ctx, draft_s, reach_scale=reach_scale)
+    want = brute_force_budget(reaches, cost, ctx, draft_s, reach_scale=reach_scale)
     # the same budget, or one whose rate differs only by float noise
     assert choice.objective[choice.budget] == pytest.approx(choice.objective[want], rel=1e-8)
     assert choice.budget <= want or choice.objective[choice.budget] > choice.objective[want]
 
 
+def test_step_to_a_tree_beats_both_a_plain_step_and_a_small_tree():
+    # 38 ms for one token, 57 ms for 2 and ~57 for 5 (SmolLM2 fp32 here): one cheap node
+    # does not pay for the step, four do. A linear c(n) could not say both.
+    cost = CostFit(0.038, 0.0005, 0.0, 0.0, tree_s=0.019)
+    choice = choose_budget([0.3, 0.3, 0.3, 0.3], cost, context=0, draft_s=0.005)
+    assert choice.objective[1] < choice.objective[0] < choice.objective[4]
+    assert choice.budget == 4
+
+
 def test_cost_fit_recovers_coefficients_despite_outliers():
     rng = np.random.default_rng(0)
-    truth = CostFit(0.03, 0.002, 3e-5, 0.004)
-    n = rng.integers(1, 65, 300)
+    truth = CostFit(0.03, 0.002, 3e-5, 0.004, tree_s=0.015)
+    n = rng.choice([1, 2, 4, 8, 16, 32, 64], 300)  # the calibration's sizes
     ctx = rng.integers(16, 1500, 300)
     y = np.asarray(truth.seconds(n, ctx)) * rng.normal(1, 0.03, 300)
     y[::15] *= 5  # a neighbour stole the core on one forward in fifteen
@@ -147,17 +159,18 @@ def pop_order_tree(m, params, rho):
     depth=st.integers(1, 8),
     k=st.integers(1, 6),
     coeffs=st.tuples(st.floats(0.0, 0.05), st.floats(0.0, 0.02), st.floats(0.0, 1e-4),
-                      st.floats(0.0, 0.01)),
+                      st.floats(0.0, 0.01), st.floats(0.0, 0.05)),
     context=st.lists(st.integers(0, 49), min_size=1, max_size=300),
     node_penalty_s=st.sampled_from([0.0, 0.001, 0.01]),
+    reach_scale=st.sampled_from([0.3, 1.0, 2.5]),
     rho=st.sampled_from(["constant", "ngram", "marginal"]),
 )
 def test_taps_tree_is_the_best_first_prefix_of_its_budget(
-    seed, cap, depth, k, coeffs, context, node_penalty_s, rho
+    seed, cap, depth, k, coeffs, context, node_penalty_s, reach_scale, rho
 ):
     m = random_marginals(depth, k, seed=seed)
     params = TreeParams(method="taps", budget=cap, depth=depth, cost=CostFit(*coeffs), draft_s=0.01,
-                        node_penalty_s=node_penalty_s)
+                        node_penalty_s=node_penalty_s, reach_scale=reach_scale)
     provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(), "marginal": None}[rho]
     ctx = ctx_for(m, context)
     built = build_taps_tree(context[-1], ctx, provider, params)
@@ -167,7 +180,8 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
     assert built.tree.tokens == full.tree.tokens[:keep] and built.tree.parents == full.tree.parents[:keep]
     # the early stop is exact: B* over the whole pop order is the budget kept
     reaches = [math.exp(x) for x in full.path_scores[1:]]
-    want = choose_budget(reaches, params.cost, len(context) - 1, params.draft_s, node_penalty_s)
+    want = choose_budget(reaches, params.cost, len(context) - 1, params.draft_s, node_penalty_s,
+                         reach_scale)
     assert keep - 1 == want.budget
     # reach never grows along a path: path scores are log-reaches, so each child <= parent
     for node in range(1, keep):
@@ -220,3 +234,68 @@ def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain
     assert steep.tree.parents == tuple(range(-1, steep.tree.size))  # a chain: DFlash's shape
     assert build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=STEEP),
                       rho=None).tree.size == 0
+
+
+def test_reach_scale_grows_the_budget_and_must_be_positive():
+    reaches = [0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1, 0.05]
+    budgets = [choose_budget(reaches, CPU_LIKE, 200, 0.005, reach_scale=k).budget for k in (0.25, 1.0, 4.0)]
+    assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="reach_scale"):
+            TreeParams(method="taps", reach_scale=bad)
+
+
+@pytest.mark.parametrize("truth", [0.4, 1.0, 2.5])
+def test_acceptance_calibrator_learns_the_ratio_of_accepted_to_promised(truth):
+    rng = np.random.default_rng(0)
+    cal = AcceptanceCalibrator()
+    for _ in range(300):
+        expected = float(rng.uniform(0.5, 3.0))
+        cal.observe(expected, int(rng.poisson(truth * expected)))
+    assert cal.scale == pytest.approx(truth, rel=0.25)
+
+
+def test_acceptance_calibrator_drifts_back_to_one_without_evidence_and_ignores_junk():
+    cal = AcceptanceCalibrator(bounds=(0.25, 4.0))
+    for _ in range(50):
+        cal.observe(3.0, 0)  # promised 3 tokens, got none: the floor
+    assert cal.scale == 0.25
+    drift = []
+    for _ in range(100):
+        cal.observe(0.0, 0)  # root-only rounds: no evidence, the prior comes back
+        drift.append(cal.scale)
+    assert drift == sorted(drift) and drift[-1] > 0.8
+    before = cal.scale
+    for junk in (float("nan"), float("inf"), -1.0):
+        cal.observe(junk, 1)
+    cal.observe(1.0, -1)
+    assert cal.scale == before
+    with pytest.raises(ValueError):
+        AcceptanceCalibrator(forget=0.0)
+
+
+def test_expected_accepted_undoes_the_depth_penalty():
+    scores = (0.0, math.log(0.8) - 0.5, math.log(0.8 * 0.5) - 1.0)
+    assert expected_accepted(scores, (0, 1, 2), depth_penalty=0.5) == pytest.approx(0.8 + 0.4)
+
+
+class _CalibratedVerifier:
+    def cost_model(self):
+        return CPU_LIKE
+
+
+def test_taps_feedback_hands_the_loop_what_it_learned():
+    from orchestrator.taps_feedback import TapsFeedback
+    from presto_sd.tree import TokenTree
+
+    fb = TapsFeedback(_CalibratedVerifier())
+    first = fb.tree_params(TreeParams(method="taps"))
+    assert first.cost == CPU_LIKE and first.draft_s == 0.0 and first.reach_scale == 1.0
+    chain = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
+    promised = (0.0, math.log(0.9), math.log(0.81), math.log(0.729))  # E[T] = 2.44
+    for _ in range(40):  # every node accepted, every round: h_phi was under-confident
+        fb.observe(chain, promised, 0.0, base=100, accepted=3, draft_s=0.004, verify_s=0.06)
+    p = fb.tree_params(TreeParams(method="taps"))
+    assert p.reach_scale > 1.1 and p.draft_s == pytest.approx(0.004)
+    fb.observe(None, (), 0.0, base=140, accepted=0, draft_s=0.0, verify_s=0.04)  # a fallback AR step
+    assert fb.verify.obs[-1] == (1, 140, 0.04)

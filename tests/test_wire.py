@@ -103,10 +103,12 @@ def test_cost_model_round_trips_in_tree_params_and_verifier_info():
     from verifier_service import wire as vwire
     from verifier_service.engine import VerifierInfo, VerifierLimits
 
-    fit = CostFit(0.03, 0.0015, 2e-5, 0.002, n_obs=48)
-    p = TreeParams(method="taps", budget=64, cost=fit, draft_s=0.004, node_penalty_s=0.001, depth_penalty=0.5)
+    fit = CostFit(0.03, 0.0015, 2e-5, 0.002, tree_s=0.017, n_obs=48)
+    p = TreeParams(method="taps", budget=64, cost=fit, draft_s=0.004, node_penalty_s=0.001, depth_penalty=0.5,
+                   reach_scale=1.7)
     assert wire.tree_params_from_pb(wire.tree_params_to_pb(p)) == p
-    assert wire.tree_params_from_pb(pb.TreeParams(method="taps")).cost is None
+    unset = wire.tree_params_from_pb(pb.TreeParams(method="taps"))
+    assert unset.cost is None and unset.reach_scale == 1.0
     limits = VerifierLimits(tree=TreeLimits(vocab_size=10))
     info = VerifierInfo("m", "float32", "cpu", 10, (2,), (0, 1), limits)
     assert vwire.info_from_pb(vwire.info_to_pb(info)) == info  # uncalibrated: unset, None
@@ -121,3 +123,5 @@ def test_bad_cost_coefficients_name_the_field(bad):
         wire.tree_params_from_pb(msg)
     with pytest.raises(InvalidArgumentError, match="tree.draft_s"):
         wire.tree_params_from_pb(pb.TreeParams(method="taps", draft_s=bad if bad < 0 else float("nan")))
+    with pytest.raises(InvalidArgumentError, match="tree.reach_scale"):
+        wire.tree_params_from_pb(pb.TreeParams(method="taps", reach_scale=bad))

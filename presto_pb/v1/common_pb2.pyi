@@ -39,21 +39,23 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class CostFit(_message.Message):
-    __slots__ = ("intercept_s", "per_node_s", "per_context_s", "per_node_context_s", "n_obs")
+    __slots__ = ("intercept_s", "per_node_s", "per_context_s", "per_node_context_s", "n_obs", "tree_s")
     INTERCEPT_S_FIELD_NUMBER: _ClassVar[int]
     PER_NODE_S_FIELD_NUMBER: _ClassVar[int]
     PER_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
     PER_NODE_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
     N_OBS_FIELD_NUMBER: _ClassVar[int]
+    TREE_S_FIELD_NUMBER: _ClassVar[int]
     intercept_s: float
     per_node_s: float
     per_context_s: float
     per_node_context_s: float
     n_obs: int
-    def __init__(self, intercept_s: _Optional[float] = ..., per_node_s: _Optional[float] = ..., per_context_s: _Optional[float] = ..., per_node_context_s: _Optional[float] = ..., n_obs: _Optional[int] = ...) -> None: ...
+    tree_s: float
+    def __init__(self, intercept_s: _Optional[float] = ..., per_node_s: _Optional[float] = ..., per_context_s: _Optional[float] = ..., per_node_context_s: _Optional[float] = ..., n_obs: _Optional[int] = ..., tree_s: _Optional[float] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty")
+    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty", "reach_scale")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class TreeParams(_message.Message):
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     NODE_PENALTY_S_FIELD_NUMBER: _ClassVar[int]
     DEPTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REACH_SCALE_FIELD_NUMBER: _ClassVar[int]
     method: str
     budget: int
     depth: int
@@ -78,7 +81,8 @@ class TreeParams(_message.Message):
     draft_s: float
     node_penalty_s: float
     depth_penalty: float
-    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ...) -> None: ...
+    reach_scale: float
+    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ..., reach_scale: _Optional[float] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id", "base")

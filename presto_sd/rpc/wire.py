@@ -107,13 +107,14 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 def cost_to_pb(c: CostFit | None) -> pb.CostFit | None:
     return None if c is None else pb.CostFit(
         intercept_s=c.intercept_s, per_node_s=c.per_node_s, per_context_s=c.per_context_s,
-        per_node_context_s=c.per_node_context_s, n_obs=c.n_obs,
+        per_node_context_s=c.per_node_context_s, tree_s=c.tree_s, n_obs=c.n_obs,
     )
 
 
 def cost_from_pb(msg: pb.CostFit, field: str = "cost") -> CostFit:
     try:
-        return CostFit(msg.intercept_s, msg.per_node_s, msg.per_context_s, msg.per_node_context_s, msg.n_obs)
+        return CostFit(msg.intercept_s, msg.per_node_s, msg.per_context_s, msg.per_node_context_s,
+                       tree_s=msg.tree_s, n_obs=msg.n_obs)
     except ValueError as e:
         raise InvalidArgumentError(f"{field}: {e}") from None
 
@@ -122,7 +123,7 @@ def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
     return pb.TreeParams(
         method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
         lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, cost=cost_to_pb(p.cost), draft_s=p.draft_s,
-        node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty,
+        node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty, reach_scale=p.reach_scale,
     )
 
 
