@@ -18,8 +18,10 @@ from presto_sd.cost_model import CostFit, fit_cost
 from presto_sd.tree import TokenTree
 from verifier_service.engine import Verifier
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # 1 and 2 pin the step to a tree
-GPU_SIZES = (256, 512)  # where a GPU's flat cost bends: measured, not extrapolated
+# 1 and 2 pin the step to a tree; a CPU's trees stay small, and a 128-node point would
+# pull the line away from them (SmolLM2 here: 2 to 8 nodes cost about the same)
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+GPU_SIZES = (128, 256, 512)  # where a GPU's flat cost bends: measured, not extrapolated
 DEFAULT_CONTEXTS = (32, 256)
 
 
