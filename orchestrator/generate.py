@@ -136,8 +136,9 @@ def stream_generate(
             # the bonus token adds one: never draft deeper than the output can still use
             depth = min(tree_params.depth, stopper.remaining - 1)
             t0 = time.perf_counter()
-            d = None  # no tree (AR, the last token, or the drafter is away): one AR step
-            if draft is not None and depth >= 1:
+            d = None  # no tree (AR, the last token, TAPS backing off, the drafter away): an AR step
+            wanted = draft is not None and depth >= 1 and (taps is None or taps.should_draft())
+            if wanted:
                 tp = tree_params if depth == tree_params.depth else replace(tree_params, depth=depth)
                 d = draft.draft(anchor, base, taps.tree_params(tp) if taps else tp)
             t1 = time.perf_counter()
@@ -152,7 +153,7 @@ def stream_generate(
                 taps.observe(d.tree if d is not None else None, d.path_scores if d is not None else (),
                              tree_params.depth_penalty, base, len(res.accepted), fixed_s, t2 - t1)
             anchor, base = res.bonus, res.base
-            fallback = draft is not None and depth >= 1 and d is None
+            fallback = wanted and d is None
             stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback)
             yield TokenChunk(stopper.accept(res.new_tokens), stats, stopper.finish_reason)
     finally:

@@ -7,6 +7,11 @@
 - **Draft time.** A moving average of the round's fixed cost ``t_draft``.
 - **Acceptance.** The factor on ``E[T]`` that makes the trees' promised acceptance match
   what this request really gets (``presto_sd.taps.AcceptanceCalibrator``).
+- **Draft backoff.** When TAPS keeps no tree (``B* = 0``) the round was a plain AR step
+  that also paid for drafting and building. Such rounds come in runs (boilerplate the
+  drafter cannot guess, code it never saw), so after one the loop skips drafting for
+  1 round, then 2, 4, up to ``max_backoff`` while TAPS keeps choosing ``B* = 0``; a
+  round that keeps a tree resets it.
 
 Only ``taps`` reads it; one per request, so the acceptance factor follows its domain.
 """
@@ -23,13 +28,22 @@ from verifier_service.engine import Verifier
 
 
 class TapsFeedback:
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier, max_backoff: int = 8) -> None:
         prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
         self.verify = OnlineCostModel(prior=prior)
         self.draft = DraftTimer()
         self.acceptance = AcceptanceCalibrator()
+        self.max_backoff = max_backoff
+        self._backoff = self._skip = 0  # rounds to skip after the next B* = 0; left to skip
+
+    def should_draft(self) -> bool:
+        """False for the rounds the backoff skips (each call is one round)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
 
     def tree_params(self, params: TreeParams) -> TreeParams:
         """``params`` with this round's cost model, draft-time estimate and E[T] factor."""
@@ -45,5 +59,11 @@ class TapsFeedback:
         self.verify.observe(tree.size + 1 if tree is not None else 1, base, verify_s)
         if draft_s > 0:
             self.draft.observe(draft_s)
-        if tree is not None:
-            self.acceptance.observe(expected_accepted(path_scores, tree.depths, depth_penalty), accepted)
+        if tree is None:  # skipped or fallen back: nothing learned about drafting
+            return
+        self.acceptance.observe(expected_accepted(path_scores, tree.depths, depth_penalty), accepted)
+        if tree.size == 0:
+            self._backoff = min(self.max_backoff, max(1, 2 * self._backoff))
+            self._skip = self._backoff
+        else:
+            self._backoff = 0

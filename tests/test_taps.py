@@ -299,3 +299,23 @@ def test_taps_feedback_hands_the_loop_what_it_learned():
     assert p.reach_scale > 1.1 and p.draft_s == pytest.approx(0.004)
     fb.observe(None, (), 0.0, base=140, accepted=0, draft_s=0.0, verify_s=0.04)  # a fallback AR step
     assert fb.verify.obs[-1] == (1, 140, 0.04)
+
+
+def test_taps_feedback_backs_off_drafting_while_taps_keeps_no_tree():
+    from orchestrator.taps_feedback import TapsFeedback
+    from presto_sd.tree import TokenTree
+
+    fb = TapsFeedback(_CalibratedVerifier(), max_backoff=4)
+    root = TokenTree.root_only(7)
+    pattern = []
+    for _ in range(4):  # TAPS chose B* = 0 each time it drafted: skip 1, 2, 4, 4 rounds
+        assert fb.should_draft()
+        fb.observe(root, (0.0,), 0.0, base=50, accepted=0, draft_s=0.005, verify_s=0.04)
+        skipped = 0
+        while not fb.should_draft():
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [1, 2, 4, 4]
+    chain = TokenTree.from_lists([7, 8], [-1, 0])
+    fb.observe(chain, (0.0, math.log(0.9)), 0.0, base=52, accepted=1, draft_s=0.005, verify_s=0.06)
+    assert fb.should_draft() and fb.should_draft()  # a kept tree resets the backoff
