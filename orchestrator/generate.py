@@ -151,7 +151,7 @@ def stream_generate(
             if taps is not None:  # a round's fixed cost: drafting and committing the delta
                 fixed_s = (t1 - t0) + (t3 - t2) if d is not None else 0.0
                 taps.observe(d.tree if d is not None else None, d.path_scores if d is not None else (),
-                             tree_params.depth_penalty, base, len(res.accepted), fixed_s, t2 - t1)
+                             tree_params.depth_penalty, base, res.accepted, fixed_s, t2 - t1)
             anchor, base = res.bonus, res.base
             fallback = wanted and d is None
             stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback)

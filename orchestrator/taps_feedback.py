@@ -5,8 +5,9 @@
   really cost it — the verify call as the loop sees it, transfer included in
   distributed mode.
 - **Draft time.** A moving average of the round's fixed cost ``t_draft``.
-- **Acceptance.** The factor on ``E[T]`` that makes the trees' promised acceptance match
-  what this request really gets (``presto_sd.taps.AcceptanceCalibrator``).
+- **Acceptance.** The map of ``a(u)`` that makes the trees' promised acceptance match
+  what this request's target really accepts: Platt scaling with a depth term, fitted
+  on every node whose parent was accepted (``presto_sd.acceptance_calibration``).
 - **Draft backoff.** When TAPS keeps no tree (``B* = 0``) the round was a plain AR step
   that also paid for drafting and building. Such rounds come in runs (boilerplate the
   drafter cannot guess, code it never saw), so after one the loop skips drafting for
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from presto_sd.acceptance_calibration import OnlineAcceptanceCalibrator, node_trials
 from presto_sd.builders import TreeParams
 from presto_sd.cost_model import DraftTimer, OnlineCostModel
-from presto_sd.taps import AcceptanceCalibrator, expected_accepted
 from presto_sd.tree import TokenTree
 from verifier_service.engine import Verifier
 
@@ -34,7 +35,8 @@ class TapsFeedback:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
         self.verify = OnlineCostModel(prior=prior)
         self.draft = DraftTimer()
-        self.acceptance = AcceptanceCalibrator()
+        self.acceptance = OnlineAcceptanceCalibrator()
+        self._sent = self.acceptance.calibration  # the map the last tree was built with
         self.max_backoff = max_backoff
         self._backoff = self._skip = 0  # rounds to skip after the next B* = 0; left to skip
 
@@ -46,22 +48,26 @@ class TapsFeedback:
         return True
 
     def tree_params(self, params: TreeParams) -> TreeParams:
-        """``params`` with this round's cost model, draft-time estimate and E[T] factor."""
-        return replace(params, cost=self.verify.fit, draft_s=self.draft.value or 0.0,
-                       reach_scale=self.acceptance.scale)
+        """``params`` with this round's cost model, draft-time estimate and acceptance map."""
+        self._sent = self.acceptance.calibration
+        return replace(params, cost=self.verify.fit, draft_s=self.draft.value or 0.0, calibration=self._sent)
 
     def observe(
         self, tree: TokenTree | None, path_scores: tuple[float, ...], depth_penalty: float,
-        base: int, accepted: int, draft_s: float, verify_s: float,
+        base: int, accepted: tuple[int, ...], draft_s: float, verify_s: float,
     ) -> None:
-        """One round on a context of ``base``: the tree verified (None: a plain step),
-        the draft tokens it got accepted, and what drafting and verifying cost."""
+        """One round on a context of ``base``: the tree verified (None: a plain step) and
+        its path scores, the draft tokens accepted, and what drafting and verifying cost."""
         self.verify.observe(tree.size + 1 if tree is not None else 1, base, verify_s)
         if draft_s > 0:
             self.draft.observe(draft_s)
         if tree is None:  # skipped or fallen back: nothing learned about drafting
             return
-        self.acceptance.observe(expected_accepted(path_scores, tree.depths, depth_penalty), accepted)
+        # the scores are calibrated log a(u) less the depth penalty: back to the raw estimate
+        cal, ps = self._sent, path_scores
+        raw = [0.0] + [cal.invert_log(ps[u] - ps[tree.parents[u]] + depth_penalty, tree.depths[u])
+                       for u in range(1, len(tree.tokens))]
+        self.acceptance.observe(node_trials(tree, raw, accepted))
         if tree.size == 0:
             self._backoff = min(self.max_backoff, max(1, 2 * self._backoff))
             self._skip = self._backoff

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from presto_sd.acceptance_calibration import AcceptanceCalibration
 from presto_sd.cost_model import CostFit
 from presto_sd.scores import (
     DraftMarginals,
@@ -50,12 +51,12 @@ class TreeParams:
     top_k: int = 10  # candidates kept per block position (the marginals' K)
     # TAPS: the verifier's cost model, the drafter's seconds per round (0: this round's
     # forward), optional penalties (seconds per node, log-reach per depth level), and
-    # the factor on E[T] that the loop fits to the acceptance it observes (taps.py)
+    # the map of a(u) the loop fits to the acceptance it observes (acceptance_calibration.py)
     cost: CostFit | None = None
     draft_s: float = 0.0
     node_penalty_s: float = 0.0
     depth_penalty: float = 0.0
-    reach_scale: float = 1.0
+    calibration: AcceptanceCalibration = AcceptanceCalibration()
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -70,8 +71,6 @@ class TreeParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
-        if not (math.isfinite(self.reach_scale) and self.reach_scale > 0):
-            raise ValueError(f"tree.reach_scale = {self.reach_scale}: must be finite and > 0")
 
     def lam(self, depth: int) -> float:
         return self.lambdas[min(depth, len(self.lambdas)) - 1]
@@ -109,18 +108,27 @@ class NodeScorer:
 
 
 class AcceptanceScorer(NodeScorer):
-    """TAPS's node score ``log a(u)``: rho, or ``q`` itself without a provider."""
+    """TAPS's node score ``log a(u)``: rho, or ``q`` itself without a provider, with the
+    candidates of a node scaled to sum to at most 1, mapped by the request's
+    calibration, less the depth penalty."""
 
-    def __init__(self, ctx: ScoringContext, rho: RhoProvider | None, depth_penalty: float = 0.0) -> None:
+    def __init__(
+        self, ctx: ScoringContext, rho: RhoProvider | None, depth_penalty: float = 0.0,
+        calibration: AcceptanceCalibration | None = None,
+    ) -> None:
         super().__init__(ctx, rho)
-        self.depth_penalty = depth_penalty
+        self.depth_penalty, self.calibration = depth_penalty, calibration or AcceptanceCalibration()
 
     def child_scores(self, depth: int, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.ctx.marginals
         tokens = m.token_ids[depth - 1].expand(len(prefixes), -1)
         log_q = m.log_probs[depth - 1].float().expand(len(prefixes), -1)
         log_a = log_q if self.rho is None else self.rho.log_rho(self.ctx, depth, prefixes, tokens, log_q)
-        return tokens, log_a.clamp(max=0.0) - self.depth_penalty
+        # siblings exclude each other (one child of a node at most is accepted), so their
+        # a(u) sum to <= 1; a provider that scores each alone (h_phi) can promise more
+        log_a = log_a.clamp(max=0.0)
+        log_a = log_a - torch.logsumexp(log_a, dim=-1, keepdim=True).clamp(min=0.0)
+        return tokens, self.calibration.apply_log(log_a, depth) - self.depth_penalty
 
 
 def build_linear_tree(anchor: int, marginals: DraftMarginals, params: TreeParams) -> BuiltTree:
@@ -222,9 +230,9 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     From two nodes on, each node adds the same ``m`` seconds (the cost model is linear
     past its step from one token to a tree) and reach never grows in pop order, so after
     the ``B``-th pop (``B >= 1``), of reach ``r``, every larger tree's rate is at most
-    ``max(rate(B), k r / m)``: once ``k r / m <= best`` the answer is among the popped.
+    ``max(rate(B), r / m)``: once ``r / m <= best`` the answer is among the popped.
     """
-    cost, k = params.cost, params.reach_scale
+    cost = params.cost
     per_node = cost.marginal_node_s(base) + params.node_penalty_s
 
     def seconds(b: int) -> float:
@@ -233,7 +241,7 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(seconds(0), 1e-9)}
 
     def stop(log_reach: float) -> bool:
-        reach = k * math.exp(log_reach)
+        reach = math.exp(log_reach)
         state["nodes"] += 1
         state["expected"] += reach
         rate = (1 + state["expected"]) / max(seconds(state["nodes"]), 1e-9)
@@ -252,13 +260,12 @@ def build_taps_tree(
     depth = min(params.depth, ctx.marginals.depth)
     base = len(ctx.context_tokens) - 1
     stop = None if params.depth_penalty > 0 else _taps_early_stop(params, base)
-    scorer = AcceptanceScorer(ctx, rho, params.depth_penalty)
+    scorer = AcceptanceScorer(ctx, rho, params.depth_penalty, params.calibration)
     full = _best_first(anchor, depth, params.budget, scorer, stop)
     t = full.tree
     # pop order is node order; the depth penalty steers the ranking, not the reach
     reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
-    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s,
-                           params.reach_scale)
+    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
     return BuiltTree(tree, full.path_scores[:keep])

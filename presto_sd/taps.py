@@ -17,7 +17,6 @@ it grow to the cap. Pure code: reaches in, a budget out.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,18 +39,16 @@ def choose_budget(
     context: int,
     draft_s: float,
     node_penalty_s: float = 0.0,
-    reach_scale: float = 1.0,
 ) -> BudgetChoice:
     """``B*`` over the prefixes of ``reaches`` (the pop order of a best-first tree).
 
-    ``reach_scale`` multiplies ``E[T]`` (``AcceptanceCalibrator``). Ties go to the
-    smaller tree: the same expected rate for less verifier work.
+    Ties go to the smaller tree: the same expected rate for less verifier work.
     """
     r = np.asarray(reaches, dtype=np.float64)
     if np.any(r < 0) or np.any(r > 1 + 1e-9):
         raise ValueError("reaches must lie in [0, 1]")
     b = np.arange(len(r) + 1)
-    expected = reach_scale * np.concatenate([[0.0], np.cumsum(r)])
+    expected = np.concatenate([[0.0], np.cumsum(r)])
     seconds = draft_s + np.asarray(cost.seconds(b + 1, context)) + node_penalty_s * b
     objective = (1.0 + expected) / np.maximum(seconds, 1e-9)
     if not np.all(np.isfinite(objective)):
@@ -60,45 +57,3 @@ def choose_budget(
     best = int(np.argmax(objective >= objective.max() * (1 - 1e-9)))
     return BudgetChoice(best, float(expected[best]), float(objective[best]), tuple(objective.tolist()))
 
-
-def expected_accepted(
-    path_scores: Sequence[float], depths: Sequence[int], depth_penalty: float = 0.0
-) -> float:
-    """``E[T]`` of a built ``taps`` tree from its path scores (log reach less the depth penalty)."""
-    return float(sum(math.exp(s + depth_penalty * d) for s, d in zip(path_scores[1:], depths[1:])))
-
-
-class AcceptanceCalibrator:
-    """Online calibration of ``E[T]``: the draft tokens verified trees really got, against
-    the tokens their acceptance estimates promised.
-
-        scale = (sum accepted + w) / (sum E[T] + w)     over exponentially forgotten rounds
-
-    A learned ``a(u)`` is calibrated on its training mix, not on this request's domain
-    (h_phi is under-confident on code and over-confident on chat, docs/taps.md), and
-    TAPS sums it, so one factor per request fixes most of the budget error. The prior
-    ``w`` (in expected tokens, at scale 1) keeps a few rounds from swinging it; because
-    the evidence is forgotten and the prior is not, rounds without a tree (no evidence)
-    drift the scale back toward 1, so an under-confident start cannot lock a request
-    into plain AR steps for good. The scale is kept in ``bounds``.
-    """
-
-    def __init__(self, prior_tokens: float = 2.0, forget: float = 0.95,
-                 bounds: tuple[float, float] = (0.25, 4.0)) -> None:
-        if prior_tokens <= 0 or not 0 < forget <= 1 or not 0 < bounds[0] <= 1 <= bounds[1]:
-            raise ValueError("AcceptanceCalibrator: prior_tokens > 0, 0 < forget <= 1, lo <= 1 <= hi")
-        self.prior_tokens, self.forget, self.bounds = prior_tokens, forget, bounds
-        self.accepted = self.expected = 0.0
-
-    def observe(self, expected: float, accepted: int) -> None:
-        """One verified round: the tree's unscaled ``E[T]`` and the draft tokens accepted."""
-        if not (math.isfinite(expected) and expected >= 0 and accepted >= 0):
-            return
-        self.accepted = self.forget * self.accepted + accepted
-        self.expected = self.forget * self.expected + expected
-
-    @property
-    def scale(self) -> float:
-        w = self.prior_tokens
-        lo, hi = self.bounds
-        return min(hi, max(lo, (self.accepted + w) / (self.expected + w)))

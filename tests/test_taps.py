@@ -7,13 +7,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from presto_sd.acceptance_calibration import AcceptanceCalibration
 from presto_sd.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
 from presto_sd.cost_model import CostFit, OnlineCostModel, fit_cost
 from presto_sd.scores import ConstantRho, NGramRho
-from presto_sd.taps import AcceptanceCalibrator, choose_budget, expected_accepted
+from presto_sd.taps import choose_budget
 from tests.test_builders import assert_well_formed, ctx_for, random_marginals
 
 FLAT = CostFit(0.05, 0.0, 0.0, 0.0)
@@ -22,11 +24,11 @@ CPU_LIKE = CostFit(0.030, 0.0015, 2e-5, 0.002, tree_s=0.017)
 STEEP = CostFit(0.010, 0.5, 0.0, 0.0)  # every node costs 50x a whole AR step
 
 
-def brute_force_budget(reaches, cost, ctx, draft_s, node_penalty_s=0.0, reach_scale=1.0):
+def brute_force_budget(reaches, cost, ctx, draft_s, node_penalty_s=0.0):
     best, best_val = 0, -1.0
     for b in range(len(reaches) + 1):
         seconds = draft_s + cost.seconds(b + 1, ctx) + node_penalty_s * b
-        val = (1 + reach_scale * sum(reaches[:b])) / seconds
+        val = (1 + sum(reaches[:b])) / seconds
         if val > best_val * (1 + 1e-9):
             best, best_val = b, val
     return best
@@ -64,12 +66,11 @@ def test_flat_cost_takes_the_cap_and_steep_cost_shrinks_to_a_step():
     coeffs=st.tuples(*[st.floats(0.0, 0.1)] * 5),
     draft_s=st.floats(0.001, 0.5),
     ctx=st.integers(0, 4000),
-    reach_scale=st.floats(0.25, 4.0),
 )
-def test_budget_matches_brute_force(reaches, coeffs, draft_s, ctx, reach_scale):
+def test_budget_matches_brute_force(reaches, coeffs, draft_s, ctx):
     cost = CostFit(*coeffs)
-    choice = choose_budget(reaches, cost, ctx, draft_s, reach_scale=reach_scale)
-    want = brute_force_budget(reaches, cost, ctx, draft_s, reach_scale=reach_scale)
+    choice = choose_budget(reaches, cost, ctx, draft_s)
+    want = brute_force_budget(reaches, cost, ctx, draft_s)
     # the same budget, or one whose rate differs only by float noise
     assert choice.objective[choice.budget] == pytest.approx(choice.objective[want], rel=1e-8)
     assert choice.budget <= want or choice.objective[choice.budget] > choice.objective[want]
@@ -162,26 +163,27 @@ def pop_order_tree(m, params, rho):
                       st.floats(0.0, 0.01), st.floats(0.0, 0.05)),
     context=st.lists(st.integers(0, 49), min_size=1, max_size=300),
     node_penalty_s=st.sampled_from([0.0, 0.001, 0.01]),
-    reach_scale=st.sampled_from([0.3, 1.0, 2.5]),
+    calibration=st.sampled_from([AcceptanceCalibration(), AcceptanceCalibration(-0.5, 1.7, -0.3),
+                                 AcceptanceCalibration(1.0, 0.5, 0.2)]),
     rho=st.sampled_from(["constant", "ngram", "marginal"]),
 )
 def test_taps_tree_is_the_best_first_prefix_of_its_budget(
-    seed, cap, depth, k, coeffs, context, node_penalty_s, reach_scale, rho
+    seed, cap, depth, k, coeffs, context, node_penalty_s, calibration, rho
 ):
     m = random_marginals(depth, k, seed=seed)
     params = TreeParams(method="taps", budget=cap, depth=depth, cost=CostFit(*coeffs), draft_s=0.01,
-                        node_penalty_s=node_penalty_s, reach_scale=reach_scale)
+                        node_penalty_s=node_penalty_s, calibration=calibration)
     provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(), "marginal": None}[rho]
     ctx = ctx_for(m, context)
     built = build_taps_tree(context[-1], ctx, provider, params)
     assert_well_formed(built.tree, cap, depth)
-    full = _best_first(context[-1], min(depth, m.depth), cap, AcceptanceScorer(ctx_for(m, context), provider))
+    scorer = AcceptanceScorer(ctx_for(m, context), provider, calibration=calibration)
+    full = _best_first(context[-1], min(depth, m.depth), cap, scorer)
     keep = len(built.tree.tokens)
     assert built.tree.tokens == full.tree.tokens[:keep] and built.tree.parents == full.tree.parents[:keep]
     # the early stop is exact: B* over the whole pop order is the budget kept
     reaches = [math.exp(x) for x in full.path_scores[1:]]
-    want = choose_budget(reaches, params.cost, len(context) - 1, params.draft_s, node_penalty_s,
-                         reach_scale)
+    want = choose_budget(reaches, params.cost, len(context) - 1, params.draft_s, node_penalty_s)
     assert keep - 1 == want.budget
     # reach never grows along a path: path scores are log-reaches, so each child <= parent
     for node in range(1, keep):
@@ -236,49 +238,6 @@ def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain
                       rho=None).tree.size == 0
 
 
-def test_reach_scale_grows_the_budget_and_must_be_positive():
-    reaches = [0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1, 0.05]
-    budgets = [choose_budget(reaches, CPU_LIKE, 200, 0.005, reach_scale=k).budget for k in (0.25, 1.0, 4.0)]
-    assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="reach_scale"):
-            TreeParams(method="taps", reach_scale=bad)
-
-
-@pytest.mark.parametrize("truth", [0.4, 1.0, 2.5])
-def test_acceptance_calibrator_learns_the_ratio_of_accepted_to_promised(truth):
-    rng = np.random.default_rng(0)
-    cal = AcceptanceCalibrator()
-    for _ in range(300):
-        expected = float(rng.uniform(0.5, 3.0))
-        cal.observe(expected, int(rng.poisson(truth * expected)))
-    assert cal.scale == pytest.approx(truth, rel=0.25)
-
-
-def test_acceptance_calibrator_drifts_back_to_one_without_evidence_and_ignores_junk():
-    cal = AcceptanceCalibrator(bounds=(0.25, 4.0))
-    for _ in range(50):
-        cal.observe(3.0, 0)  # promised 3 tokens, got none: the floor
-    assert cal.scale == 0.25
-    drift = []
-    for _ in range(100):
-        cal.observe(0.0, 0)  # root-only rounds: no evidence, the prior comes back
-        drift.append(cal.scale)
-    assert drift == sorted(drift) and drift[-1] > 0.8
-    before = cal.scale
-    for junk in (float("nan"), float("inf"), -1.0):
-        cal.observe(junk, 1)
-    cal.observe(1.0, -1)
-    assert cal.scale == before
-    with pytest.raises(ValueError):
-        AcceptanceCalibrator(forget=0.0)
-
-
-def test_expected_accepted_undoes_the_depth_penalty():
-    scores = (0.0, math.log(0.8) - 0.5, math.log(0.8 * 0.5) - 1.0)
-    assert expected_accepted(scores, (0, 1, 2), depth_penalty=0.5) == pytest.approx(0.8 + 0.4)
-
-
 class _CalibratedVerifier:
     def cost_model(self):
         return CPU_LIKE
@@ -290,14 +249,21 @@ def test_taps_feedback_hands_the_loop_what_it_learned():
 
     fb = TapsFeedback(_CalibratedVerifier())
     first = fb.tree_params(TreeParams(method="taps"))
-    assert first.cost == CPU_LIKE and first.draft_s == 0.0 and first.reach_scale == 1.0
+    assert first.cost == CPU_LIKE and first.draft_s == 0.0 and first.calibration.is_identity
+    # a chain that promises a = 0.9 at every node; the target takes the first node only
     chain = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
-    promised = (0.0, math.log(0.9), math.log(0.81), math.log(0.729))  # E[T] = 2.44
-    for _ in range(40):  # every node accepted, every round: h_phi was under-confident
-        fb.observe(chain, promised, 0.0, base=100, accepted=3, draft_s=0.004, verify_s=0.06)
-    p = fb.tree_params(TreeParams(method="taps"))
-    assert p.reach_scale > 1.1 and p.draft_s == pytest.approx(0.004)
-    fb.observe(None, (), 0.0, base=140, accepted=0, draft_s=0.0, verify_s=0.04)  # a fallback AR step
+    for _ in range(60):
+        p = fb.tree_params(TreeParams(method="taps"))
+        log_a = p.calibration.apply_log(torch.full((3,), math.log(0.9)), 1)  # depth 1's map
+        scores = [0.0]
+        for d in (1, 2, 3):
+            scores.append(scores[-1] + float(p.calibration.apply_log(torch.tensor(math.log(0.9)), d)))
+        fb.observe(chain, tuple(scores), 0.0, base=100, accepted=(2,), draft_s=0.004, verify_s=0.06)
+    cal = fb.tree_params(TreeParams(method="taps")).calibration
+    a1, a2 = (math.exp(float(cal.apply_log(torch.tensor(math.log(0.9)), d))) for d in (1, 2))
+    assert a1 > 0.8 and a2 < 0.7  # depth 1 kept near its 0.9, depth 2 marked down
+    assert float(log_a[0]) <= 0 and fb.draft.value == pytest.approx(0.004)
+    fb.observe(None, (), 0.0, base=140, accepted=(), draft_s=0.0, verify_s=0.04)  # a fallback AR step
     assert fb.verify.obs[-1] == (1, 140, 0.04)
 
 
@@ -310,12 +276,21 @@ def test_taps_feedback_backs_off_drafting_while_taps_keeps_no_tree():
     pattern = []
     for _ in range(4):  # TAPS chose B* = 0 each time it drafted: skip 1, 2, 4, 4 rounds
         assert fb.should_draft()
-        fb.observe(root, (0.0,), 0.0, base=50, accepted=0, draft_s=0.005, verify_s=0.04)
+        fb.observe(root, (0.0,), 0.0, base=50, accepted=(), draft_s=0.005, verify_s=0.04)
         skipped = 0
         while not fb.should_draft():
             skipped += 1
         pattern.append(skipped)
     assert pattern == [1, 2, 4, 4]
     chain = TokenTree.from_lists([7, 8], [-1, 0])
-    fb.observe(chain, (0.0, math.log(0.9)), 0.0, base=52, accepted=1, draft_s=0.005, verify_s=0.06)
+    fb.observe(chain, (0.0, math.log(0.9)), 0.0, base=52, accepted=(8,), draft_s=0.005, verify_s=0.06)
     assert fb.should_draft() and fb.should_draft()  # a kept tree resets the backoff
+
+
+def test_siblings_never_promise_more_than_one_accepted_child():
+    m = random_marginals(3, 4, seed=2)
+    ctx = ctx_for(m)
+    _, log_a = AcceptanceScorer(ctx, ConstantRho(0.7)).child_scores(1, [[]])
+    assert log_a.exp().sum().item() == pytest.approx(1.0)  # 4 x 0.7 scaled down to 4 x 0.25
+    _, log_q = AcceptanceScorer(ctx, None).child_scores(1, [[]])
+    assert torch.allclose(log_q, m.log_probs[0].float())  # top-K of q already sums to <= 1

@@ -98,6 +98,7 @@ def test_delta_round_trip_and_checks():
 
 
 def test_cost_model_round_trips_in_tree_params_and_verifier_info():
+    from presto_sd.acceptance_calibration import AcceptanceCalibration
     from presto_sd.cost_model import CostFit
     from presto_sd.tree import TreeLimits
     from verifier_service import wire as vwire
@@ -105,10 +106,10 @@ def test_cost_model_round_trips_in_tree_params_and_verifier_info():
 
     fit = CostFit(0.03, 0.0015, 2e-5, 0.002, tree_s=0.017, n_obs=48)
     p = TreeParams(method="taps", budget=64, cost=fit, draft_s=0.004, node_penalty_s=0.001, depth_penalty=0.5,
-                   reach_scale=1.7)
+                   calibration=AcceptanceCalibration(-0.4, 1.3, -0.2))
     assert wire.tree_params_from_pb(wire.tree_params_to_pb(p)) == p
     unset = wire.tree_params_from_pb(pb.TreeParams(method="taps"))
-    assert unset.cost is None and unset.reach_scale == 1.0
+    assert unset.cost is None and unset.calibration.is_identity
     limits = VerifierLimits(tree=TreeLimits(vocab_size=10))
     info = VerifierInfo("m", "float32", "cpu", 10, (2,), (0, 1), limits)
     assert vwire.info_from_pb(vwire.info_to_pb(info)) == info  # uncalibrated: unset, None
@@ -123,5 +124,6 @@ def test_bad_cost_coefficients_name_the_field(bad):
         wire.tree_params_from_pb(msg)
     with pytest.raises(InvalidArgumentError, match="tree.draft_s"):
         wire.tree_params_from_pb(pb.TreeParams(method="taps", draft_s=bad if bad < 0 else float("nan")))
-    with pytest.raises(InvalidArgumentError, match="tree.reach_scale"):
-        wire.tree_params_from_pb(pb.TreeParams(method="taps", reach_scale=bad))
+    with pytest.raises(InvalidArgumentError, match="tree.calibration"):
+        wire.tree_params_from_pb(pb.TreeParams(
+            method="taps", calibration=pb.AcceptanceCalibration(alpha=0.0, beta=bad, per_depth=0.0)))

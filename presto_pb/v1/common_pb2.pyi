@@ -55,7 +55,7 @@ class CostFit(_message.Message):
     def __init__(self, intercept_s: _Optional[float] = ..., per_node_s: _Optional[float] = ..., per_context_s: _Optional[float] = ..., per_node_context_s: _Optional[float] = ..., n_obs: _Optional[int] = ..., tree_s: _Optional[float] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty", "reach_scale")
+    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty", "calibration")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -68,7 +68,7 @@ class TreeParams(_message.Message):
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     NODE_PENALTY_S_FIELD_NUMBER: _ClassVar[int]
     DEPTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    REACH_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     method: str
     budget: int
     depth: int
@@ -81,8 +81,18 @@ class TreeParams(_message.Message):
     draft_s: float
     node_penalty_s: float
     depth_penalty: float
-    reach_scale: float
-    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ..., reach_scale: _Optional[float] = ...) -> None: ...
+    calibration: AcceptanceCalibration
+    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ..., calibration: _Optional[_Union[AcceptanceCalibration, _Mapping]] = ...) -> None: ...
+
+class AcceptanceCalibration(_message.Message):
+    __slots__ = ("alpha", "beta", "per_depth")
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    PER_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    alpha: float
+    beta: float
+    per_depth: float
+    def __init__(self, alpha: _Optional[float] = ..., beta: _Optional[float] = ..., per_depth: _Optional[float] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id", "base")

@@ -14,6 +14,7 @@ import torch
 
 from presto_pb.v1 import common_pb2 as pb
 from presto_sd.acceptance import SamplingParams
+from presto_sd.acceptance_calibration import AcceptanceCalibration
 from presto_sd.builders import TreeParams
 from presto_sd.cost_model import CostFit
 from presto_sd.messages import FeatureDelta, InvalidArgumentError
@@ -123,7 +124,9 @@ def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
     return pb.TreeParams(
         method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
         lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, cost=cost_to_pb(p.cost), draft_s=p.draft_s,
-        node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty, reach_scale=p.reach_scale,
+        node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty,
+        calibration=None if p.calibration.is_identity else pb.AcceptanceCalibration(
+            alpha=p.calibration.alpha, beta=p.calibration.beta, per_depth=p.calibration.per_depth),
     )
 
 
@@ -131,6 +134,12 @@ def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
     kwargs = _set_fields(msg, TreeParams)
     if msg.HasField("cost"):
         kwargs["cost"] = cost_from_pb(msg.cost, "tree.cost")
+    if msg.HasField("calibration"):
+        c = msg.calibration
+        try:
+            kwargs["calibration"] = AcceptanceCalibration(c.alpha, c.beta, c.per_depth)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
     if any(not math.isfinite(lam) for lam in kwargs.get("lambdas", ())):
         raise InvalidArgumentError(f"tree.lambdas = {kwargs['lambdas']}: must be finite")
     try:
