@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import grpc
+import torch
 
 from drafter_service import wire
 from drafter_service.engine import DrafterInfo
@@ -52,14 +53,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         return wire.info_to_pb(info)
 
 
-def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 256):
+def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 256,
+                 dtype: torch.dtype | None = None):
     """A ``DFlashDrafter`` with the target's embeddings and lm_head (the rest of the target
     is dropped), and the drafter's shipped PRESTO defaults for ``Info``."""
     from drafter_service.dflash_drafter import DFlashDrafter
     from orchestrator.embedded import rho_providers_from
     from presto_sd.models import load_drafter_model, load_target, read_json, resolve_drafter
 
-    model, _ = load_target(target)
+    model, _ = load_target(target, dtype=dtype)
     spec = resolve_drafter(drafter, target)
     draft_model = load_drafter_model(spec, model)
     embed = model.get_input_embeddings().weight.detach()

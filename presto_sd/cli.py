@@ -22,6 +22,10 @@ from presto_sd.builders import METHODS
 from presto_sd.rpc import cli as rpc_cli
 
 METHOD_CHOICES = ("ar", *METHODS)
+# presto_sd.models.DTYPE_NAMES, without importing transformers for --help
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = ("model dtype: auto = fp32 on CPU, bf16 on GPU; bf16 on a CPU with AVX512-BF16 is "
+              "faster, but its greedy output is not AR's (docs/benchmarks.md)")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +55,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--drafter", default=None,
                    help="DFlash drafter dir (default: the shipped SmolLM2 one; 'random' = untrained)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.verifier_addr or args.drafter_addr:
         stack = rpc_cli.remote_stack(args)
     else:
-        stack = build_embedded(args.target, args.drafter)
+        from presto_sd.models import parse_dtype
+
+        stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype))
     tok = stack.tokenizer
     params = generation_params(args, stack.verifier.eos_token_ids, stack.presto_defaults)
     prompt_ids = encode_prompt(tok, args.prompt, not args.no_chat)

@@ -115,6 +115,18 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """``--dtype``: None for ``auto`` (``default_dtype`` of the device)."""
+    if name is None or name == "auto":
+        return None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r}: choose from {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
+
+
 def _target_source(spec: str | None) -> tuple[str | Path, dict]:
     """Where ``from_pretrained`` finds a target spec, and the kwargs it needs."""
     spec = spec or DEFAULT_TARGET

@@ -30,3 +30,19 @@ def test_drafter_resolution(tmp_path):
     assert resolve_drafter("random", None).path is None
     assert resolve_drafter(str(tmp_path), None).path == tmp_path
     assert resolve_drafter(None, "some/other-target").path is None  # no shipped drafter for it
+
+
+def test_dtype_flag_is_the_same_on_every_command_and_parses_to_torch():
+    from presto_sd.cli import DTYPE_CHOICES, build_parser
+    from presto_sd.models import DTYPE_NAMES, parse_dtype
+
+    assert DTYPE_CHOICES == DTYPE_NAMES  # the CLI's copy, kept free of transformers
+    assert parse_dtype("auto") is None and parse_dtype(None) is None
+    assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype("float32") is torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        parse_dtype("int8")
+    parser = build_parser()
+    for argv in (["generate", "hi"], ["bench"], ["serve", "verifier", "--port", "0"],
+                 ["serve", "drafter", "--port", "0"]):
+        assert parser.parse_args([*argv, "--dtype", "bfloat16"]).dtype == "bfloat16"
+        assert parser.parse_args(argv).dtype == "auto"

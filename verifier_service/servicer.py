@@ -6,6 +6,7 @@ Errors become status codes in the server's one interceptor (``presto_sd.rpc.serv
 from __future__ import annotations
 
 import grpc
+import torch
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.acceptance import SamplingParams
@@ -54,7 +55,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
         return wire.info_to_pb(self.ready().info())
 
 
-def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions):
+def load_verifier(
+    target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
+    dtype: torch.dtype | None = None,
+):
     """The target as an ``HFVerifier`` emitting the features the drafter was trained on,
     its cost model calibrated (a few seconds of forwards, before the server is SERVING)."""
     from drafter_service.dflash_model import DFlashConfig
@@ -67,7 +71,7 @@ def load_verifier(target: str | None, drafter: str | None, max_sessions: int = V
     )
     from verifier_service.hf_verifier import HFVerifier
 
-    model, tok = load_target(target)
+    model, tok = load_target(target, dtype=dtype)
     spec = resolve_drafter(drafter, target)
     config = read_json(spec.path / "config.json") if spec.path else random_drafter_config(model.config)
     layer_ids = DFlashConfig.from_dict(config).target_layer_ids

@@ -19,6 +19,8 @@ def _csv(text: str) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from presto_sd.cli import DTYPE_CHOICES, DTYPE_HELP
+
     p = sub.add_parser(
         "bench", help="measure every drafting method against AR and transformers' prompt lookup",
         description="Decode benchmark prompts with each (method, budget), interleaved prompt by "
@@ -63,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     m.add_argument("--drafter", default=None, help="as for generate ('random' = untrained)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
 
 
 def load_bench_prompts(args: argparse.Namespace) -> list:
@@ -96,12 +99,12 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.embedded import build_embedded
     from presto_sd.bench.report import command_line, machine_info
     from presto_sd.bench.runner import BenchPrompt, bench
-    from presto_sd.models import encode_messages
+    from presto_sd.models import encode_messages, parse_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_bench_prompts(args)
-    stack = build_embedded(args.target, args.drafter)
+    stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype))
     config = bench_config(args, stack.verifier.eos_token_ids, stack.presto_defaults)
     chat = not args.no_chat
     encoded = [BenchPrompt(p.dataset, p.id, tuple(encode_messages(stack.tokenizer, p.messages, chat)))

@@ -13,6 +13,8 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from presto_sd.cli import DTYPE_CHOICES, DTYPE_HELP
+
     serve = sub.add_parser("serve", help="run the drafter, verifier or orchestrator as a gRPC service")
     ssub = serve.add_subparsers(dest="service", required=True)
     for name, what in (("drafter", "the DFlash drafter (needs the target's embeddings and lm_head)"),
@@ -39,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--grace-s", type=float, default=10.0,
                        help="then in-flight calls get this long (default: %(default)s)")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+        p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     from orchestrator import cli as orchestrator_cli
 
     orchestrator_cli.register_serve(ssub)
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from presto_sd.models import parse_dtype
     from presto_sd.rpc.client import read_token
     from presto_sd.rpc.server import GrpcServer, ServerConfig, serve_until_signal
 
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         add, name = vs.add_to_server, vs.SERVICE_NAME
 
         def loader():
-            return vs.load_verifier(args.target, args.drafter, args.max_sessions)
+            return vs.load_verifier(args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype))
     else:
         from drafter_service import servicer as ds
 
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         add, name = ds.add_to_server, ds.SERVICE_NAME
 
         def loader():
-            engine, servicer.info_overrides = ds.load_drafter(args.target, args.drafter, args.max_sessions)
+            engine, servicer.info_overrides = ds.load_drafter(
+                args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype))
             return engine
 
     asyncio.run(serve_until_signal(GrpcServer(config, servicer, add, name), loader))
