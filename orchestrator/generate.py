@@ -148,10 +148,9 @@ def stream_generate(
                 draft.commit(res.delta)
             t3 = time.perf_counter()
             size, build_s = (d.tree.size, d.build_s) if d is not None else (0, 0.0)
-            if taps is not None:  # a round's fixed cost: drafting and committing the delta
-                fixed_s = (t1 - t0) + (t3 - t2) if d is not None else 0.0
+            if taps is not None:
                 taps.observe(d.tree if d is not None else None, d.path_scores if d is not None else (),
-                             tree_params.depth_penalty, base, res.accepted, fixed_s, t2 - t1)
+                             tree_params.depth_penalty, base, res.accepted, t1 - t0, t2 - t1, t3 - t2)
             anchor, base = res.bonus, res.base
             fallback = wanted and d is None
             stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback)

@@ -8,13 +8,18 @@
 - **Acceptance.** The map of ``a(u)`` that makes the trees' promised acceptance match
   what this request's target really accepts: Platt scaling with a depth term, fitted
   on every node whose parent was accepted (``presto_sd.acceptance_calibration``).
-- **Draft backoff.** When TAPS keeps no tree (``B* = 0``) the round was a plain AR step
-  that also paid for drafting and building. Such rounds come in runs (boilerplate the
-  drafter cannot guess, code it never saw), so after one the loop skips drafting for
-  1 round, then 2, 4, up to ``max_backoff`` while TAPS keeps choosing ``B* = 0``; a
-  round that keeps a tree resets it.
+- **Draft gate.** Drafting is itself a choice: a drafted round that keeps no tree
+  (``B* = 0``) is an AR step that also paid for drafting and building, and a tree that
+  gets little accepted can cost more than the AR steps it replaces. The loop measures
+  each drafted round's saving against plain AR steps for the same tokens,
+  ``tokens * t_ar - t_round`` with ``t_ar`` the cost model's one-token verify plus a
+  commit, and keeps a moving average. While it is negative the loop skips drafting for
+  1 round, then 2, 4, up to ``max_backoff`` (each skipped round is a plain AR step; the
+  drafter still gets the committed delta); a drafted round that brings it back to >= 0
+  resets it. Where trees pay (a GPU, a good drafter) the gate stays open; where nothing
+  beats AR (this project's 2-core CPU) ``taps`` runs mostly AR steps and probes.
 
-Only ``taps`` reads it; one per request, so the acceptance factor follows its domain.
+Only ``taps`` reads it; one per request, so what it learns follows the request's domain.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import replace
 
 from presto_sd.acceptance_calibration import OnlineAcceptanceCalibrator, node_trials
 from presto_sd.builders import TreeParams
-from presto_sd.cost_model import DraftTimer, OnlineCostModel
+from presto_sd.cost_model import MovingAverage, OnlineCostModel
 from presto_sd.tree import TokenTree
 from verifier_service.engine import Verifier
 
@@ -34,14 +39,15 @@ class TapsFeedback:
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
         self.verify = OnlineCostModel(prior=prior)
-        self.draft = DraftTimer()
+        self.draft, self.commit = MovingAverage(), MovingAverage()
+        self.saving = MovingAverage(alpha=0.25)  # seconds a drafted round saves over AR steps
         self.acceptance = OnlineAcceptanceCalibrator()
         self._sent = self.acceptance.calibration  # the map the last tree was built with
         self.max_backoff = max_backoff
-        self._backoff = self._skip = 0  # rounds to skip after the next B* = 0; left to skip
+        self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
 
     def should_draft(self) -> bool:
-        """False for the rounds the backoff skips (each call is one round)."""
+        """False for the rounds the gate skips (each call is one round)."""
         if self._skip > 0:
             self._skip -= 1
             return False
@@ -54,21 +60,23 @@ class TapsFeedback:
 
     def observe(
         self, tree: TokenTree | None, path_scores: tuple[float, ...], depth_penalty: float,
-        base: int, accepted: tuple[int, ...], draft_s: float, verify_s: float,
+        base: int, accepted: tuple[int, ...], draft_s: float, verify_s: float, commit_s: float,
     ) -> None:
-        """One round on a context of ``base``: the tree verified (None: a plain step) and
-        its path scores, the draft tokens accepted, and what drafting and verifying cost."""
+        """One round on a context of ``base``: the tree verified (None: no draft) and its
+        path scores, the draft tokens accepted, and what each step of the round cost."""
         self.verify.observe(tree.size + 1 if tree is not None else 1, base, verify_s)
-        if draft_s > 0:
-            self.draft.observe(draft_s)
+        self.commit.observe(commit_s)
         if tree is None:  # skipped or fallen back: nothing learned about drafting
             return
+        self.draft.observe(draft_s + commit_s)  # TAPS's t_draft: the round's fixed cost
         # the scores are calibrated log a(u) less the depth penalty: back to the raw estimate
         cal, ps = self._sent, path_scores
         raw = [0.0] + [cal.invert_log(ps[u] - ps[tree.parents[u]] + depth_penalty, tree.depths[u])
                        for u in range(1, len(tree.tokens))]
         self.acceptance.observe(node_trials(tree, raw, accepted))
-        if tree.size == 0:
+        ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
+        self.saving.observe((len(accepted) + 1) * ar_step_s - (draft_s + verify_s + commit_s))
+        if self.saving.value < 0:
             self._backoff = min(self.max_backoff, max(1, 2 * self._backoff))
             self._skip = self._backoff
         else:

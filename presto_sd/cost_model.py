@@ -161,11 +161,11 @@ class OnlineCostModel:
         return self._fit
 
 
-class DraftTimer:
-    """An exponential moving average of the drafter's seconds per round (``t_draft``)."""
+class MovingAverage:
+    """An exponential moving average (a round's draft seconds, commit seconds, savings)."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha, self.value = alpha, None
 
-    def observe(self, seconds: float) -> None:
-        self.value = seconds if self.value is None else (1 - self.alpha) * self.value + self.alpha * seconds
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x

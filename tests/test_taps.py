@@ -258,33 +258,44 @@ def test_taps_feedback_hands_the_loop_what_it_learned():
         scores = [0.0]
         for d in (1, 2, 3):
             scores.append(scores[-1] + float(p.calibration.apply_log(torch.tensor(math.log(0.9)), d)))
-        fb.observe(chain, tuple(scores), 0.0, base=100, accepted=(2,), draft_s=0.004, verify_s=0.06)
+        fb.observe(chain, tuple(scores), 0.0, base=100, accepted=(2,), draft_s=0.004, verify_s=0.06,
+                   commit_s=0.001)
     cal = fb.tree_params(TreeParams(method="taps")).calibration
     a1, a2 = (math.exp(float(cal.apply_log(torch.tensor(math.log(0.9)), d))) for d in (1, 2))
     assert a1 > 0.8 and a2 < 0.7  # depth 1 kept near its 0.9, depth 2 marked down
-    assert float(log_a[0]) <= 0 and fb.draft.value == pytest.approx(0.004)
-    fb.observe(None, (), 0.0, base=140, accepted=(), draft_s=0.0, verify_s=0.04)  # a fallback AR step
+    assert float(log_a[0]) <= 0 and fb.draft.value == pytest.approx(0.005)  # drafting + committing
+    fb.observe(None, (), 0.0, base=140, accepted=(), draft_s=0.0, verify_s=0.04, commit_s=0.001)  # no draft
     assert fb.verify.obs[-1] == (1, 140, 0.04)
 
 
-def test_taps_feedback_backs_off_drafting_while_taps_keeps_no_tree():
+def skipped_after(fb, tree, scores, accepted, verify_s):
+    """Observe one drafted round, then count the rounds the gate skips."""
+    assert fb.should_draft()
+    fb.observe(tree, scores, 0.0, base=50, accepted=accepted, draft_s=0.005, verify_s=verify_s,
+               commit_s=0.001)
+    skipped = 0
+    while not fb.should_draft():
+        skipped += 1
+    return skipped
+
+
+def test_the_draft_gate_backs_off_while_drafting_loses_to_ar_steps():
     from orchestrator.taps_feedback import TapsFeedback
     from presto_sd.tree import TokenTree
 
-    fb = TapsFeedback(_CalibratedVerifier(), max_backoff=4)
+    fb = TapsFeedback(_CalibratedVerifier(), max_backoff=4)  # an AR step: ~33 ms + 1 ms commit
     root = TokenTree.root_only(7)
-    pattern = []
-    for _ in range(4):  # TAPS chose B* = 0 each time it drafted: skip 1, 2, 4, 4 rounds
-        assert fb.should_draft()
-        fb.observe(root, (0.0,), 0.0, base=50, accepted=(), draft_s=0.005, verify_s=0.04)
-        skipped = 0
-        while not fb.should_draft():
-            skipped += 1
-        pattern.append(skipped)
-    assert pattern == [1, 2, 4, 4]
-    chain = TokenTree.from_lists([7, 8], [-1, 0])
-    fb.observe(chain, (0.0, math.log(0.9)), 0.0, base=52, accepted=(8,), draft_s=0.005, verify_s=0.06)
-    assert fb.should_draft() and fb.should_draft()  # a kept tree resets the backoff
+    # TAPS chose B* = 0 each time it drafted: an AR step plus the drafting, 4 times
+    assert [skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(4)] == [1, 2, 4, 4]
+    chain = TokenTree.from_lists([7, 8, 9, 10, 11, 12], [-1, 0, 1, 2, 3, 4])
+    scores = tuple(math.log(0.9) * d for d in range(6))
+    # all 5 accepted in one 50 ms round: 6 tokens for the time of 1.5 AR steps: open again
+    assert skipped_after(fb, chain, scores, (8, 9, 10, 11, 12), 0.050) == 0
+    assert skipped_after(fb, chain, scores, (8, 9, 10, 11, 12), 0.050) == 0
+    # a tree that gets nothing costs more than the AR step it replaces: the average drops
+    for _ in range(6):
+        skipped_after(fb, chain, scores, (), 0.060)
+    assert fb.saving.value < 0 and skipped_after(fb, chain, scores, (), 0.060) > 0
 
 
 def test_siblings_never_promise_more_than_one_accepted_child():
