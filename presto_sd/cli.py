@@ -167,6 +167,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def detok(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
 
+    if args.method == "taps" and stack.verifier.cost_model() is None:  # once per verifier, not timed
+        t0 = time.perf_counter()
+        stack.verifier.calibrate_cost()
+        print(f"presto-sd: measured the verify cost model in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
     t0 = time.perf_counter()
     tokens, rounds, printed, prefill_s, finish = [], [], "", 0.0, "length"
     for chunk in stream_generate(stack.verifier, drafter, prompt_ids, params, detok):
