@@ -188,4 +188,5 @@ class DFlashDrafter(Drafter):
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
         t2 = time.perf_counter()
-        return DraftResult(built.tree, marginals, built.path_scores, t1 - t0, t2 - t1)
+        return DraftResult(built.tree, marginals, built.path_scores, t1 - t0, t2 - t1,
+                           built.node_log_acceptance)

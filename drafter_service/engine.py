@@ -36,6 +36,7 @@ class DraftResult:
     path_scores: tuple[float, ...]
     forward_s: float  # the drafter forward and its lm_head
     build_s: float  # tree building + scoring
+    node_log_acceptance: tuple[float, ...] = ()  # taps: raw log a(u) per node (BuiltTree)
 
 
 class Drafter(ABC):

@@ -34,7 +34,8 @@ def marginals_from_pb(msg: pb.Marginals) -> DraftMarginals:
 
 def draft_result_to_pb(r: DraftResult, want_marginals: bool) -> pb.DraftResponse:
     msg = pb.DraftResponse(
-        tree=tree_to_pb(r.tree), path_scores=r.path_scores, forward_s=r.forward_s, build_s=r.build_s
+        tree=tree_to_pb(r.tree), path_scores=r.path_scores, forward_s=r.forward_s, build_s=r.build_s,
+        node_log_acceptance=r.node_log_acceptance,
     )
     if want_marginals:
         msg.marginals.CopyFrom(marginals_to_pb(r.marginals))
@@ -45,7 +46,7 @@ def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
     marginals = marginals_from_pb(msg.marginals) if msg.HasField("marginals") else NO_MARGINALS
     return DraftResult(
         tree=tree_from_pb(msg.tree), marginals=marginals, path_scores=tuple(msg.path_scores),
-        forward_s=msg.forward_s, build_s=msg.build_s,
+        forward_s=msg.forward_s, build_s=msg.build_s, node_log_acceptance=tuple(msg.node_log_acceptance),
     )
 
 

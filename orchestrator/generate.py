@@ -50,6 +50,7 @@ class RoundStats:
     verify_s: float
     commit_s: float
     fallback: bool = False  # a plain AR step because the drafter could not give a tree
+    gated: bool = False  # a plain AR step because TAPS's draft gate was shut
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,10 @@ def stream_generate(
             # the bonus token adds one: never draft deeper than the output can still use
             depth = min(tree_params.depth, stopper.remaining - 1)
             t0 = time.perf_counter()
-            d = None  # no tree (AR, the last token, TAPS backing off, the drafter away): an AR step
-            wanted = draft is not None and depth >= 1 and (taps is None or taps.should_draft())
+            d = None  # no tree (AR, the last token, TAPS's gate shut, the drafter away): an AR step
+            can_draft = draft is not None and depth >= 1
+            gated = can_draft and taps is not None and not taps.should_draft()
+            wanted = can_draft and not gated
             if wanted:
                 tp = tree_params if depth == tree_params.depth else replace(tree_params, depth=depth)
                 d = draft.draft(anchor, base, taps.tree_params(tp) if taps else tp)
@@ -149,11 +152,11 @@ def stream_generate(
             t3 = time.perf_counter()
             size, build_s = (d.tree.size, d.build_s) if d is not None else (0, 0.0)
             if taps is not None:
-                taps.observe(d.tree if d is not None else None, d.path_scores if d is not None else (),
-                             tree_params.depth_penalty, base, res.accepted, t1 - t0, t2 - t1, t3 - t2)
+                tree, raw = (d.tree, d.node_log_acceptance) if d is not None else (None, ())
+                taps.observe(tree, raw, base, res.accepted, t1 - t0, t2 - t1, t3 - t2)
             anchor, base = res.bonus, res.base
             fallback = wanted and d is None
-            stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback)
+            stats = RoundStats(len(res.accepted), size, t1 - t0, build_s, t2 - t1, t3 - t2, fallback, gated)
             yield TokenChunk(stopper.accept(res.new_tokens), stats, stopper.finish_reason)
     finally:
         target.close()

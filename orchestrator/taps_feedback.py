@@ -16,8 +16,10 @@
   commit, and keeps a moving average. While it is negative the loop skips drafting for
   1 round, then 2, 4, up to ``max_backoff`` (each skipped round is a plain AR step; the
   drafter still gets the committed delta); a drafted round that brings it back to >= 0
-  resets it. Where trees pay (a GPU, a good drafter) the gate stays open; where nothing
-  beats AR (this project's 2-core CPU) ``taps`` runs mostly AR steps and probes.
+  resets it. The average moves only on drafted rounds, so after a long losing stretch
+  it takes a few good probes, up to ``max_backoff`` rounds apart, to reopen. Where trees
+  pay (a GPU, a good drafter) the gate stays open; where nothing beats AR (this
+  project's 2-core CPU) ``taps`` runs mostly AR steps and probes.
 
 Only ``taps`` reads it; one per request, so what it learns follows the request's domain.
 """
@@ -42,7 +44,6 @@ class TapsFeedback:
         self.draft, self.commit = MovingAverage(), MovingAverage()
         self.saving = MovingAverage(alpha=0.25)  # seconds a drafted round saves over AR steps
         self.acceptance = OnlineAcceptanceCalibrator()
-        self._sent = self.acceptance.calibration  # the map the last tree was built with
         self.max_backoff = max_backoff
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
 
@@ -55,25 +56,23 @@ class TapsFeedback:
 
     def tree_params(self, params: TreeParams) -> TreeParams:
         """``params`` with this round's cost model, draft-time estimate and acceptance map."""
-        self._sent = self.acceptance.calibration
-        return replace(params, cost=self.verify.fit, draft_s=self.draft.value or 0.0, calibration=self._sent)
+        return replace(params, cost=self.verify.fit, draft_s=self.draft.value or 0.0,
+                       calibration=self.acceptance.calibration)
 
     def observe(
-        self, tree: TokenTree | None, path_scores: tuple[float, ...], depth_penalty: float,
-        base: int, accepted: tuple[int, ...], draft_s: float, verify_s: float, commit_s: float,
+        self, tree: TokenTree | None, node_log_acceptance: tuple[float, ...], base: int,
+        accepted: tuple[int, ...], draft_s: float, verify_s: float, commit_s: float,
     ) -> None:
-        """One round on a context of ``base``: the tree verified (None: no draft) and its
-        path scores, the draft tokens accepted, and what each step of the round cost."""
+        """One round on a context of ``base``: the tree verified (None: no draft) and each
+        node's raw acceptance estimate, the draft tokens accepted, and what each step of
+        the round cost."""
         self.verify.observe(tree.size + 1 if tree is not None else 1, base, verify_s)
         self.commit.observe(commit_s)
         if tree is None:  # skipped or fallen back: nothing learned about drafting
             return
         self.draft.observe(draft_s + commit_s)  # TAPS's t_draft: the round's fixed cost
-        # the scores are calibrated log a(u) less the depth penalty: back to the raw estimate
-        cal, ps = self._sent, path_scores
-        raw = [0.0] + [cal.invert_log(ps[u] - ps[tree.parents[u]] + depth_penalty, tree.depths[u])
-                       for u in range(1, len(tree.tokens))]
-        self.acceptance.observe(node_trials(tree, raw, accepted))
+        if len(node_log_acceptance) == len(tree.tokens):  # a drafter that predates it sends none
+            self.acceptance.observe(node_trials(tree, node_log_acceptance, accepted))
         ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
         self.saving.observe((len(accepted) + 1) * ar_step_s - (draft_s + verify_s + commit_s))
         if self.saving.value < 0:

@@ -11,7 +11,9 @@ labels every verification gives for free: each node whose parent was accepted is
 trial, and it succeeds iff it was accepted (the same samples h_phi trains on).
 
 A monotone map of each ``a(u)`` into ``(0, 1)`` keeps ``a' <= 1``, so reach still never
-grows along a path and best-first trees stay prefix-closed. Pure code: no model here.
+grows along a path and best-first trees stay prefix-closed. The fit needs each node's
+raw ``a(u)``, before the map: the drafter returns it beside the tree
+(``DraftResult.node_log_acceptance``). Pure code: no model here.
 """
 
 from __future__ import annotations
@@ -55,14 +57,6 @@ class AcceptanceCalibration:
         a = log_a.exp().clamp(_EPS, 1 - _EPS)
         z = self.alpha + self.beta * torch.log(a / (1 - a)) + self.per_depth * (depth - 1)
         return torch.nn.functional.logsigmoid(z)
-
-    def invert_log(self, log_a_calibrated: float, depth: int) -> float:
-        """``log a`` back from ``log a'``: the fit learns on the raw estimate."""
-        if self.is_identity:
-            return log_a_calibrated
-        a = min(max(math.exp(log_a_calibrated), _EPS), 1 - _EPS)
-        z = (math.log(a / (1 - a)) - self.alpha - self.per_depth * (depth - 1)) / self.beta
-        return -math.log1p(math.exp(-z)) if z > -30 else z  # log sigmoid(z), stable
 
 
 def node_trials(

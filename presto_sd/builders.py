@@ -80,6 +80,8 @@ class TreeParams:
 class BuiltTree:
     tree: TokenTree
     path_scores: tuple[float, ...]  # S(path to node); root 0
+    # taps: each node's raw acceptance estimate log a(u), before the calibration; root 0
+    node_log_acceptance: tuple[float, ...] = ()
 
 
 class NodeScorer:
@@ -108,9 +110,10 @@ class NodeScorer:
 
 
 class AcceptanceScorer(NodeScorer):
-    """TAPS's node score ``log a(u)``: rho, or ``q`` itself without a provider, with the
-    candidates of a node scaled to sum to at most 1, mapped by the request's
-    calibration, less the depth penalty."""
+    """TAPS's node score ``log a(u)``: rho, or ``q`` itself without a provider, mapped by
+    the request's calibration, with a node's candidates scaled to sum to at most 1, less
+    the depth penalty. It keeps each candidate's raw estimate (before the map) by path,
+    for the loop to fit the calibration on."""
 
     def __init__(
         self, ctx: ScoringContext, rho: RhoProvider | None, depth_penalty: float = 0.0,
@@ -118,17 +121,22 @@ class AcceptanceScorer(NodeScorer):
     ) -> None:
         super().__init__(ctx, rho)
         self.depth_penalty, self.calibration = depth_penalty, calibration or AcceptanceCalibration()
+        self.raw_log_a: dict[tuple[int, ...], float] = {}  # drafted path -> raw log a(last node)
 
     def child_scores(self, depth: int, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.ctx.marginals
         tokens = m.token_ids[depth - 1].expand(len(prefixes), -1)
         log_q = m.log_probs[depth - 1].float().expand(len(prefixes), -1)
         log_a = log_q if self.rho is None else self.rho.log_rho(self.ctx, depth, prefixes, tokens, log_q)
+        raw = log_a.clamp(max=0.0)
+        for prefix, toks, row in zip(prefixes, tokens.tolist(), raw.tolist()):
+            for tok, value in zip(toks, row):
+                self.raw_log_a[(*prefix, tok)] = value
+        log_a = self.calibration.apply_log(raw, depth)
         # siblings exclude each other (one child of a node at most is accepted), so their
-        # a(u) sum to <= 1; a provider that scores each alone (h_phi) can promise more
-        log_a = log_a.clamp(max=0.0)
+        # a(u) sum to <= 1; a provider that scores each alone (h_phi), or a map, can promise more
         log_a = log_a - torch.logsumexp(log_a, dim=-1, keepdim=True).clamp(min=0.0)
-        return tokens, self.calibration.apply_log(log_a, depth) - self.depth_penalty
+        return tokens, log_a - self.depth_penalty
 
 
 def build_linear_tree(anchor: int, marginals: DraftMarginals, params: TreeParams) -> BuiltTree:
@@ -268,7 +276,8 @@ def build_taps_tree(
     choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
-    return BuiltTree(tree, full.path_scores[:keep])
+    raw = [0.0] + [scorer.raw_log_a[tuple(tree.path_tokens(u)[1:])] for u in range(1, keep)]
+    return BuiltTree(tree, full.path_scores[:keep], tuple(raw))
 
 
 def build_tree(

@@ -32,6 +32,23 @@ def test_greedy_equals_ar(tiny_target, method, budget, depth):
     assert not verifier.sessions and not drafter.sessions  # closed when done
 
 
+@pytest.mark.parametrize("budget,depth", [(4, 3), (16, 15), (64, 8)])
+def test_taps_greedy_equals_ar_with_the_draft_gate_held_open(tiny_target, monkeypatch, budget, depth):
+    """The gate turns rounds that do not pay into AR steps, which thins the taps cases
+    above; held open, every round verifies a tree TAPS chose."""
+    from orchestrator.taps_feedback import TapsFeedback
+
+    monkeypatch.setattr(TapsFeedback, "should_draft", lambda self: True)
+    verifier, drafter = make_engines(tiny_target)
+    trees = 0
+    for prompt in PROMPTS:
+        res = run(verifier, drafter, prompt, "taps", 24, budget=budget, depth=depth)
+        assert res.token_ids == hf_greedy(tiny_target, prompt, 24), (budget, depth, prompt)
+        assert not any(r.gated for r in res.rounds)
+        trees += sum(r.tree_size > 0 for r in res.rounds)
+    assert trees >= 5  # the tiny model's trees are cheap: most rounds keep one
+
+
 @pytest.mark.parametrize("kv_heads", [1, 4])  # multi-query and plain multi-head too
 def test_greedy_equals_ar_other_attention_layouts(kv_heads):
     target = tiny_llama(kv_heads=kv_heads, seed=5)

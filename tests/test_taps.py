@@ -19,7 +19,7 @@ from presto_sd.taps import choose_budget
 from tests.test_builders import assert_well_formed, ctx_for, random_marginals
 
 FLAT = CostFit(0.05, 0.0, 0.0, 0.0)
-# ~ SmolLM2 fp32 on 2 cores: 38 ms for one token, 57 for two to eight (docs/taps.md)
+# ~ SmolLM2 fp32 on 2 cores at a context of ~300: 38 ms for one token, 57 for two (docs/taps.md)
 CPU_LIKE = CostFit(0.030, 0.0015, 2e-5, 0.002, tree_s=0.017)
 STEEP = CostFit(0.010, 0.5, 0.0, 0.0)  # every node costs 50x a whole AR step
 
@@ -250,29 +250,26 @@ def test_taps_feedback_hands_the_loop_what_it_learned():
     fb = TapsFeedback(_CalibratedVerifier())
     first = fb.tree_params(TreeParams(method="taps"))
     assert first.cost == CPU_LIKE and first.draft_s == 0.0 and first.calibration.is_identity
-    # a chain that promises a = 0.9 at every node; the target takes the first node only
+    # a chain whose raw estimate is a = 0.9 at every node; the target takes the first only
     chain = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
+    raw = (0.0, *[math.log(0.9)] * 3)
     for _ in range(60):
-        p = fb.tree_params(TreeParams(method="taps"))
-        log_a = p.calibration.apply_log(torch.full((3,), math.log(0.9)), 1)  # depth 1's map
-        scores = [0.0]
-        for d in (1, 2, 3):
-            scores.append(scores[-1] + float(p.calibration.apply_log(torch.tensor(math.log(0.9)), d)))
-        fb.observe(chain, tuple(scores), 0.0, base=100, accepted=(2,), draft_s=0.004, verify_s=0.06,
-                   commit_s=0.001)
+        fb.observe(chain, raw, base=100, accepted=(2,), draft_s=0.004, verify_s=0.06, commit_s=0.001)
     cal = fb.tree_params(TreeParams(method="taps")).calibration
     a1, a2 = (math.exp(float(cal.apply_log(torch.tensor(math.log(0.9)), d))) for d in (1, 2))
     assert a1 > 0.8 and a2 < 0.7  # depth 1 kept near its 0.9, depth 2 marked down
-    assert float(log_a[0]) <= 0 and fb.draft.value == pytest.approx(0.005)  # drafting + committing
-    fb.observe(None, (), 0.0, base=140, accepted=(), draft_s=0.0, verify_s=0.04, commit_s=0.001)  # no draft
+    assert fb.draft.value == pytest.approx(0.005)  # drafting + committing
+    before = fb.acceptance.calibration
+    fb.observe(chain, (), base=110, accepted=(2,), draft_s=0.004, verify_s=0.06, commit_s=0.001)
+    assert fb.acceptance.calibration == before  # a drafter that sends no raw estimates: no fit
+    fb.observe(None, (), base=140, accepted=(), draft_s=0.0, verify_s=0.04, commit_s=0.001)  # no draft
     assert fb.verify.obs[-1] == (1, 140, 0.04)
 
 
-def skipped_after(fb, tree, scores, accepted, verify_s):
+def skipped_after(fb, tree, raw, accepted, verify_s):
     """Observe one drafted round, then count the rounds the gate skips."""
     assert fb.should_draft()
-    fb.observe(tree, scores, 0.0, base=50, accepted=accepted, draft_s=0.005, verify_s=verify_s,
-               commit_s=0.001)
+    fb.observe(tree, raw, base=50, accepted=accepted, draft_s=0.005, verify_s=verify_s, commit_s=0.001)
     skipped = 0
     while not fb.should_draft():
         skipped += 1
@@ -288,14 +285,14 @@ def test_the_draft_gate_backs_off_while_drafting_loses_to_ar_steps():
     # TAPS chose B* = 0 each time it drafted: an AR step plus the drafting, 4 times
     assert [skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(4)] == [1, 2, 4, 4]
     chain = TokenTree.from_lists([7, 8, 9, 10, 11, 12], [-1, 0, 1, 2, 3, 4])
-    scores = tuple(math.log(0.9) * d for d in range(6))
+    raw = (0.0, *[math.log(0.9)] * 5)
     # all 5 accepted in one 50 ms round: 6 tokens for the time of 1.5 AR steps: open again
-    assert skipped_after(fb, chain, scores, (8, 9, 10, 11, 12), 0.050) == 0
-    assert skipped_after(fb, chain, scores, (8, 9, 10, 11, 12), 0.050) == 0
+    assert skipped_after(fb, chain, raw, (8, 9, 10, 11, 12), 0.050) == 0
+    assert skipped_after(fb, chain, raw, (8, 9, 10, 11, 12), 0.050) == 0
     # a tree that gets nothing costs more than the AR step it replaces: the average drops
     for _ in range(6):
-        skipped_after(fb, chain, scores, (), 0.060)
-    assert fb.saving.value < 0 and skipped_after(fb, chain, scores, (), 0.060) > 0
+        skipped_after(fb, chain, raw, (), 0.060)
+    assert fb.saving.value < 0 and skipped_after(fb, chain, raw, (), 0.060) > 0
 
 
 def test_siblings_never_promise_more_than_one_accepted_child():
@@ -303,5 +300,19 @@ def test_siblings_never_promise_more_than_one_accepted_child():
     ctx = ctx_for(m)
     _, log_a = AcceptanceScorer(ctx, ConstantRho(0.7)).child_scores(1, [[]])
     assert log_a.exp().sum().item() == pytest.approx(1.0)  # 4 x 0.7 scaled down to 4 x 0.25
+    inflating = AcceptanceCalibration(1.0, 0.5, 0.2)  # lifts 0.25 to 0.66: the scaling comes after
+    _, log_a = AcceptanceScorer(ctx, ConstantRho(0.25), calibration=inflating).child_scores(3, [[1, 2]])
+    assert log_a.exp().sum().item() == pytest.approx(1.0)
     _, log_q = AcceptanceScorer(ctx, None).child_scores(1, [[]])
     assert torch.allclose(log_q, m.log_probs[0].float())  # top-K of q already sums to <= 1
+
+
+def test_taps_tree_carries_the_raw_estimates_the_calibration_is_fitted_on():
+    m = random_marginals(5, 4, seed=4)
+    params = TreeParams(method="taps", budget=12, depth=5, cost=FLAT,
+                        calibration=AcceptanceCalibration(-0.5, 1.5, -0.2))
+    built = build_taps_tree(4, ctx_for(m), ConstantRho(0.1), params)
+    raw = built.node_log_acceptance
+    assert len(raw) == len(built.tree.tokens) and raw[0] == 0.0
+    assert raw[1:] == pytest.approx([math.log(0.1)] * (len(raw) - 1))  # before the map and scaling
+

@@ -127,3 +127,17 @@ def test_bad_cost_coefficients_name_the_field(bad):
     with pytest.raises(InvalidArgumentError, match="tree.calibration"):
         wire.tree_params_from_pb(pb.TreeParams(
             method="taps", calibration=pb.AcceptanceCalibration(alpha=0.0, beta=bad, per_depth=0.0)))
+
+
+def test_a_taps_draft_carries_its_raw_acceptance_over_the_wire():
+    from drafter_service import wire as dwire
+    from drafter_service.engine import DraftResult
+    from presto_sd.scores import DraftMarginals
+
+    tree = TokenTree.from_lists([5, 6, 7], [-1, 0, 0])
+    marginals = DraftMarginals(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), torch.zeros(1))
+    r = DraftResult(tree, marginals, (0.0, -0.2, -0.9), 0.004, 0.001, (0.0, -0.1, -0.7))
+    back = dwire.draft_result_from_pb(dwire.draft_result_to_pb(r, want_marginals=False))
+    assert back.node_log_acceptance == r.node_log_acceptance and back.path_scores == r.path_scores
+    old = dwire.draft_result_to_pb(replace(r, node_log_acceptance=()), want_marginals=False)
+    assert dwire.draft_result_from_pb(old).node_log_acceptance == ()  # other methods, older drafters

@@ -46,18 +46,20 @@ class Marginals(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "path_scores", "marginals", "forward_s", "build_s")
+    __slots__ = ("tree", "path_scores", "marginals", "forward_s", "build_s", "node_log_acceptance")
     TREE_FIELD_NUMBER: _ClassVar[int]
     PATH_SCORES_FIELD_NUMBER: _ClassVar[int]
     MARGINALS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     BUILD_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOG_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.TokenTree
     path_scores: _containers.RepeatedScalarFieldContainer[float]
     marginals: Marginals
     forward_s: float
     build_s: float
-    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., path_scores: _Optional[_Iterable[float]] = ..., marginals: _Optional[_Union[Marginals, _Mapping]] = ..., forward_s: _Optional[float] = ..., build_s: _Optional[float] = ...) -> None: ...
+    node_log_acceptance: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., path_scores: _Optional[_Iterable[float]] = ..., marginals: _Optional[_Union[Marginals, _Mapping]] = ..., forward_s: _Optional[float] = ..., build_s: _Optional[float] = ..., node_log_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session", "delta")

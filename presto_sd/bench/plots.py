@@ -121,12 +121,10 @@ def chosen_budgets(runs: Sequence[RunLog], path: Path) -> Path:
     bins = [b - 0.5 for b in range(0, top + 2)]
     for j, ds in enumerate(dict.fromkeys(r.dataset for r in taps)):
         rounds = [x for r in taps if r.dataset == ds for x in r.rounds if not getattr(x, "fallback", False)]
-        # rounds where TAPS chose (a drafted round always spends time building its tree);
-        # the rest are the draft gate's plain AR steps
-        sizes = [x.tree_size for x in rounds if x.build_s > 0]
+        sizes = [x.tree_size for x in rounds if not getattr(x, "gated", False)]  # where TAPS chose
         skipped = 1 - len(sizes) / max(1, len(rounds))
         ax.hist(sizes, bins=bins, density=True, histtype="step", lw=1.4, color=f"C{j}",
-                label=f"{ds} ({skipped:.0%} of rounds not drafted)")
+                label=f"{ds} ({skipped:.0%} of rounds gated)")
     ax.set_xlabel("draft nodes chosen (B*)")
     ax.set_ylabel("share of drafted rounds")
     ax.set_title("taps: chosen budget per drafted round")

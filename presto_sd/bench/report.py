@@ -52,8 +52,9 @@ def run_record(r: RunLog) -> dict[str, Any]:
         "dataset": r.dataset, "prompt_id": r.prompt_id, "method": r.method, "budget": r.budget,
         "finish_reason": r.finish_reason, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
         "token_ids": r.token_ids,
-        # accepted, tree_size, draft_s, build_s, verify_s, commit_s
-        "rounds": [[x.accepted, x.tree_size, x.draft_s, x.build_s, x.verify_s, x.commit_s] for x in r.rounds],
+        # accepted, tree_size, draft_s, build_s, verify_s, commit_s, fallback, gated
+        "rounds": [[x.accepted, x.tree_size, x.draft_s, x.build_s, x.verify_s, x.commit_s,
+                    bool(getattr(x, "fallback", False)), bool(getattr(x, "gated", False))] for x in r.rounds],
     }
 
 
