@@ -149,6 +149,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from orchestrator.embedded import build_embedded
     from orchestrator.generate import GenerationResult, stream_generate
 
+    if (args.orchestrator_addr or args.verifier_addr or args.drafter_addr) and args.dtype != "auto":
+        raise SystemExit("presto-sd generate: --dtype sets embedded engines; remote ones take it "
+                         "from `presto-sd serve verifier|drafter --dtype`")
     if args.orchestrator_addr:
         return orchestrator_cli.generate_via(args)
     if args.threads:

@@ -46,3 +46,10 @@ def test_dtype_flag_is_the_same_on_every_command_and_parses_to_torch():
                  ["serve", "drafter", "--port", "0"]):
         assert parser.parse_args([*argv, "--dtype", "bfloat16"]).dtype == "bfloat16"
         assert parser.parse_args(argv).dtype == "auto"
+
+
+def test_dtype_is_refused_for_remote_engines():
+    from presto_sd.cli import main
+
+    with pytest.raises(SystemExit, match="serve verifier"):
+        main(["generate", "hi", "--verifier-addr", "127.0.0.1:1", "--dtype", "bfloat16"])
