@@ -13,13 +13,13 @@
   gets little accepted can cost more than the AR steps it replaces. The loop measures
   each drafted round's saving against plain AR steps for the same tokens,
   ``tokens * t_ar - t_round`` with ``t_ar`` the cost model's one-token verify plus a
-  commit, and keeps a moving average. While it is negative the loop skips drafting for
-  1 round, then 2, 4, up to ``max_backoff`` (each skipped round is a plain AR step; the
-  drafter still gets the committed delta); a drafted round that brings it back to >= 0
-  resets it. The average moves only on drafted rounds, so after a long losing stretch
-  it takes a few good probes, up to ``max_backoff`` rounds apart, to reopen. Where trees
-  pay (a GPU, a good drafter) the gate stays open; where nothing beats AR (this
-  project's 2-core CPU) ``taps`` runs mostly AR steps and probes.
+  commit, and keeps a moving average (weight 0.1 on the newest, from 0). While it is
+  negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (a
+  skipped round is a plain AR step; the drafter still gets the committed delta); a
+  drafted round that brings it back to >= 0 resets it. The average moves only on
+  drafted rounds, so after a long losing stretch it takes a few good probes, up to
+  ``max_backoff`` rounds apart, to reopen. Where trees pay (a GPU, a good drafter) the
+  gate stays open; where nothing beats AR, ``taps`` runs mostly AR steps and probes.
 
 Only ``taps`` reads it; one per request, so what it learns follows the request's domain.
 """
@@ -42,7 +42,9 @@ class TapsFeedback:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
         self.verify = OnlineCostModel(prior=prior)
         self.draft, self.commit = MovingAverage(), MovingAverage()
-        self.saving = MovingAverage(alpha=0.25)  # seconds a drafted round saves over AR steps
+        # seconds a drafted round saves over AR steps: from a neutral 0, with a memory of
+        # ~10 drafted rounds, so it follows the mean saving rather than a streak
+        self.saving = MovingAverage(alpha=0.1, initial=0.0)
         self.acceptance = OnlineAcceptanceCalibrator()
         self.max_backoff = max_backoff
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip

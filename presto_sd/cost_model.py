@@ -164,8 +164,8 @@ class OnlineCostModel:
 class MovingAverage:
     """An exponential moving average (a round's draft seconds, commit seconds, savings)."""
 
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha, self.value = alpha, None
+    def __init__(self, alpha: float = 0.2, initial: float | None = None) -> None:
+        self.alpha, self.value = alpha, initial  # None: the first observation starts it
 
     def observe(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
