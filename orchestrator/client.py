@@ -58,7 +58,7 @@ def chunk_from_pb(msg: pb.GenerateChunk) -> StreamChunk:
     if msg.HasField("stats"):
         s = msg.stats
         stats = ChunkStats(s.accepted, s.tree_size, s.draft_s, s.verify_s, s.queue_s, s.transfer_s,
-                           s.fallback)
+                           s.fallback, s.gated)
     return StreamChunk(tuple(msg.token_ids), msg.text, stats, msg.finish_reason or None)
 
 

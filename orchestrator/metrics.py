@@ -44,6 +44,8 @@ _SPECS: dict[str, tuple] = {
     "sessions": ("gauge", "presto_sessions", "Sessions a replica holds for live requests",
                  ("service", "replica"), None),
     "fallbacks": ("counter", "presto_fallbacks", "Fault fallbacks, by kind", ("kind",), None),
+    "gated": ("counter", "presto_taps_gated_rounds", "taps rounds run as plain AR steps while its "
+              "draft gate was shut (drafting did not pay)", ("method",), None),
     "errors": ("counter", "presto_errors", "Engine refusals and failed requests, by status code",
                ("service", "code"), None),
 }
@@ -86,7 +88,7 @@ class Metrics:
             m.set(value, tags=tags)
 
     def round(self, method: str, tokens: int, accepted: int, tree_size: int,
-              phases: dict[str, float], fallback: bool) -> None:
+              phases: dict[str, float], fallback: bool, gated: bool = False) -> None:
         self._tally("rounds")
         self._tally("tokens", tokens)
         self._emit("tokens", tokens, method=method)
@@ -97,6 +99,9 @@ class Metrics:
             self._emit("phase", seconds, phase=phase)
         if fallback:
             self.fallback("ar_round")
+        if gated:
+            self._tally("gated")
+            self._emit("gated", 1, method=method)
 
     def first_token(self, method: str) -> None:
         self._tally("tokens")

@@ -56,6 +56,7 @@ class ChunkStats:
     queue_s: float  # waiting for the verifier replica to be free
     transfer_s: float  # the rest of the round's wall time: Ray / gRPC transport, routing
     fallback: bool = False  # a plain AR step: the drafter could not give a tree
+    gated: bool = False  # a plain AR step: taps's draft gate was shut
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,10 @@ class RequestStream:
             return StreamChunk(chunk.tokens, text, None, chunk.finish_reason)
         r = chunk.round
         stats = ChunkStats(r.accepted, r.tree_size, draft_s, verify_s, queue_s,
-                           max(0.0, wall_s - draft_s - verify_s - queue_s), r.fallback)
+                           max(0.0, wall_s - draft_s - verify_s - queue_s), r.fallback, r.gated)
         phases = {"draft": draft_s, "verify": verify_s, "queue": queue_s, "transfer": stats.transfer_s}
-        self.orch.metrics.round(method, len(chunk.tokens), r.accepted, r.tree_size, phases, r.fallback)
+        self.orch.metrics.round(method, len(chunk.tokens), r.accepted, r.tree_size, phases, r.fallback,
+                                r.gated)
         return StreamChunk(chunk.tokens, text, stats, chunk.finish_reason)
 
 

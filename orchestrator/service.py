@@ -101,7 +101,7 @@ def chunk_to_pb(chunk: StreamChunk, request_id: str) -> pb.GenerateChunk:
         s = chunk.stats
         msg.stats.CopyFrom(pb.ChunkStats(
             accepted=s.accepted, tree_size=s.tree_size, draft_s=s.draft_s, verify_s=s.verify_s,
-            queue_s=s.queue_s, transfer_s=s.transfer_s, fallback=s.fallback))
+            queue_s=s.queue_s, transfer_s=s.transfer_s, fallback=s.fallback, gated=s.gated))
     return msg
 
 

@@ -250,3 +250,16 @@ def test_verifier_lost_fails_after_the_retry_budget(stack):
     with pytest.raises(UnavailableError, match="retry budget"):
         _tokens(client, [0, 3, 5], max_new_tokens=8)
     assert time.monotonic() - t0 < 20
+
+
+def test_chunk_stats_carry_taps_gated_rounds_over_the_wire_and_into_metrics():
+    from orchestrator.client import chunk_from_pb
+    from orchestrator.metrics import Metrics
+    from orchestrator.scheduler import ChunkStats, StreamChunk
+
+    chunk = StreamChunk((5,), "x", ChunkStats(0, 0, 0.0, 0.04, 0.0, 0.001, False, True), None)
+    assert chunk_from_pb(service.chunk_to_pb(chunk, "r1")).stats == chunk.stats
+    metrics = Metrics(export=False)
+    metrics.round("taps", 1, 0, 0, {"verify": 0.04}, fallback=False, gated=True)
+    assert metrics.tallies["gated"] == 1 and "fallback:ar_round" not in metrics.tallies
+    assert "ray_presto_taps_gated_rounds_total" in prometheus_names()

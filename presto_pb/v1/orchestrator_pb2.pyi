@@ -52,7 +52,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., no_chat: _Optional[bool] = ..., method: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ChunkStats(_message.Message):
-    __slots__ = ("accepted", "tree_size", "draft_s", "verify_s", "queue_s", "transfer_s", "fallback")
+    __slots__ = ("accepted", "tree_size", "draft_s", "verify_s", "queue_s", "transfer_s", "fallback", "gated")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ChunkStats(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    GATED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     tree_size: int
     draft_s: float
@@ -67,7 +68,8 @@ class ChunkStats(_message.Message):
     queue_s: float
     transfer_s: float
     fallback: bool
-    def __init__(self, accepted: _Optional[int] = ..., tree_size: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., fallback: _Optional[bool] = ...) -> None: ...
+    gated: bool
+    def __init__(self, accepted: _Optional[int] = ..., tree_size: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., fallback: _Optional[bool] = ..., gated: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "stats", "finish_reason", "request_id")
