@@ -74,7 +74,10 @@ class TapsFeedback:
             return
         self.draft.observe(draft_s + commit_s)  # TAPS's t_draft: the round's fixed cost
         if len(node_log_acceptance) == len(tree.tokens):  # a drafter that predates it sends none
-            self.acceptance.observe(node_trials(tree, node_log_acceptance, accepted))
+            try:
+                self.acceptance.observe(node_trials(tree, node_log_acceptance, accepted))
+            except ValueError:  # a foreign drafter's tree with twin siblings: learn nothing from it
+                pass
         ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
         self.saving.observe((len(accepted) + 1) * ar_step_s - (draft_s + verify_s + commit_s))
         if self.saving.value < 0:

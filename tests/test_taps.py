@@ -262,6 +262,10 @@ def test_taps_feedback_hands_the_loop_what_it_learned():
     before = fb.acceptance.calibration
     fb.observe(chain, (), base=110, accepted=(2,), draft_s=0.004, verify_s=0.06, commit_s=0.001)
     assert fb.acceptance.calibration == before  # a drafter that sends no raw estimates: no fit
+    twins = TokenTree.from_lists([1, 2, 2, 3], [-1, 0, 0, 2])  # the walk went down the second 2
+    fb.observe(twins, (0.0, -0.1, -0.1, -0.1), base=120, accepted=(2, 3), draft_s=0.004, verify_s=0.06,
+               commit_s=0.001)
+    assert fb.acceptance.calibration == before  # no fit from a path it cannot follow, no crash
     fb.observe(None, (), base=140, accepted=(), draft_s=0.0, verify_s=0.04, commit_s=0.001)  # no draft
     assert fb.verify.obs[-1] == (1, 140, 0.04)
 
