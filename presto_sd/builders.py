@@ -32,7 +32,7 @@ from presto_sd.scores import (
     ScoringContext,
     prefix_aligned_scores,
 )
-from presto_sd.taps import choose_budget
+from presto_sd.taps import choose_budget, round_seconds
 from presto_sd.tree import TokenTree
 
 METHODS = ("linear", "marginal", "presto-beam", "presto-best-first", "taps")
@@ -240,11 +240,10 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     the ``B``-th pop (``B >= 1``), of reach ``r``, every larger tree's rate is at most
     ``max(rate(B), r / m)``: once ``r / m <= best`` the answer is among the popped.
     """
-    cost = params.cost
-    per_node = cost.marginal_node_s(base) + params.node_penalty_s
+    per_node = params.cost.marginal_node_s(base) + params.node_penalty_s
 
-    def seconds(b: int) -> float:
-        return params.draft_s + float(cost.seconds(b + 1, base)) + params.node_penalty_s * b
+    def seconds(b: int) -> float:  # choose_budget's denominator: the same rates, exactly
+        return float(round_seconds(b, params.cost, base, params.draft_s, params.node_penalty_s))
 
     state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(seconds(0), 1e-9)}
 

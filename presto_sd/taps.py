@@ -33,6 +33,13 @@ class BudgetChoice:
     objective: tuple[float, ...]  # the objective for B = 0..len(reaches), for reports/tests
 
 
+def round_seconds(
+    budget: int | np.ndarray, cost: CostFit, context: int, draft_s: float, node_penalty_s: float = 0.0
+) -> float | np.ndarray:
+    """The objective's denominator: a round with ``budget`` draft nodes (root excluded)."""
+    return draft_s + np.asarray(cost.seconds(budget + 1, context)) + node_penalty_s * budget
+
+
 def choose_budget(
     reaches: Sequence[float],
     cost: CostFit,
@@ -49,11 +56,10 @@ def choose_budget(
         raise ValueError("reaches must lie in [0, 1]")
     b = np.arange(len(r) + 1)
     expected = np.concatenate([[0.0], np.cumsum(r)])
-    seconds = draft_s + np.asarray(cost.seconds(b + 1, context)) + node_penalty_s * b
+    seconds = round_seconds(b, cost, context, draft_s, node_penalty_s)
     objective = (1.0 + expected) / np.maximum(seconds, 1e-9)
     if not np.all(np.isfinite(objective)):
         raise ValueError(f"choose_budget: non-finite rates (draft_s {draft_s}, cost {cost})")
     # the first (near-)maximum: a gain below float noise never buys a bigger tree
     best = int(np.argmax(objective >= objective.max() * (1 - 1e-9)))
     return BudgetChoice(best, float(expected[best]), float(objective[best]), tuple(objective.tolist()))
-
