@@ -7,7 +7,7 @@ matmuls) and with the context (attention reads the KV cache: ``c`` for the queri
 every forward has, ``d`` for each extra node). ``s`` is the step from one token to a
 tree: BLAS runs a one-row matmul as a matrix-vector product, which streams the weights
 once at memory speed, and two or more rows as a matrix product that costs more per
-pass (SmolLM2 on this machine's 2 cores: 38 ms for 1 token, 57 ms for 2, 57 ms for 8;
+pass (SmolLM2 on this machine's 2 cores: 39 ms for 1 token, 58 ms for 2, 58 ms for 8;
 docs/taps.md). On a GPU ``s``, ``b`` and ``d`` are near zero up to hundreds of nodes.
 TAPS (``presto_sd.taps``) sizes trees with it.
 
