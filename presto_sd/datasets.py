@@ -238,6 +238,49 @@ def _parse_sharegpt(path: Path) -> list[Prompt]:
     return out
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A whole ShareGPT conversation: ``(role, text)`` turns, roles ``user``/``assistant``."""
+
+    id: str
+    turns: tuple[tuple[str, str], ...]
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                   "bing": "assistant", "assistant": "assistant"}
+
+
+def _parse_sharegpt_conversations(path: Path) -> list[Conversation]:
+    out = []
+    for r in _iter_json_array(path.read_text(encoding="utf-8")):
+        turns = []
+        for c in r.get("conversations") or []:
+            role, text = _SHAREGPT_ROLES.get(c.get("from", "")), c.get("value", "")
+            if role is None or not isinstance(text, str) or not text.strip():
+                continue
+            if turns and turns[-1][0] == role:  # two turns in a row from one side: merge them
+                turns[-1] = (role, turns[-1][1] + "\n\n" + text)
+            else:
+                turns.append((role, text))
+        if turns and turns[0][0] == "user":  # continuation chunks start mid-conversation
+            out.append(Conversation(str(r["id"]), tuple(turns)))
+    return out
+
+
+@lru_cache(maxsize=2)
+def _parsed_conversations(path: Path, sha256: str) -> tuple[Conversation, ...]:
+    return tuple(_parse_sharegpt_conversations(path))
+
+
+def load_sharegpt_conversations(split: str = "train") -> list[Conversation]:
+    """Every ShareGPT conversation of ``split`` (same split as :func:`load_prompts`), in file order."""
+    if split not in SPLITS:
+        raise DatasetError(f"unknown split {split!r}; expected one of {SPLITS}")
+    path = fetch_dataset_file("sharegpt")
+    convs = _parsed_conversations(path, SOURCES["sharegpt"].file_sha256)
+    return [c for c in convs if sharegpt_split(c.id) == split]
+
+
 _PARSERS: dict[str, Callable[[Path], list[Prompt]]] = {
     "gsm8k": _parse_gsm8k,
     "humaneval": _parse_humaneval,
