@@ -137,10 +137,10 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
         tmp.rename(shard)  # atomic: a shard on disk is always whole
         n_new = sum(len(r) for r in responses)
         new_tokens += n_new
-        progress.write(json.dumps({"shard": b, "seqs": len(batch), "new_tokens": n_new,
-                                   "tokens": int(lens.sum()), "seconds": round(time.perf_counter() - t_shard, 2),
-                                   "bytes": shard.stat().st_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-                       + "\n")
+        row = {"shard": b, "seqs": len(batch), "new_tokens": n_new, "tokens": int(lens.sum()),
+               "seconds": round(time.perf_counter() - t_shard, 2), "bytes": shard.stat().st_size,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        progress.write(json.dumps(row) + "\n")
         progress.flush()
         bar.update(1)
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
