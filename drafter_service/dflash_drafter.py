@@ -21,7 +21,7 @@ from presto_sd.messages import (
     check_base,
 )
 from presto_sd.ngram import NGramModel
-from presto_sd.scores import ConstantRho, DraftMarginals, NGramRho, RhoProvider, ScoringContext
+from presto_sd.scores import ConstantRho, DraftMarginals, NGramRho, PrefixRho, RhoProvider, ScoringContext
 from presto_sd.sessions import SessionTable
 
 
@@ -66,6 +66,13 @@ class DFlashDrafter(Drafter):
             "ngram": NGramRho(),
             **(rho_providers or {}),
         }
+        if model.prefix_head is not None:  # the drafter's own prefix-conditioned estimate
+            t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=lm_head.device)
+            d2t = self.d2t if self.d2t is not None else torch.arange(self.vocab_size, device=lm_head.device)
+            t2d[d2t] = torch.arange(len(d2t), device=lm_head.device)
+            head = model.prefix_head
+            self.rho_providers["prefix"] = PrefixRho(
+                self.draft_head, t2d, lambda h, parent: head(h.to(head.next.dtype), parent))
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.max_budget = max_budget

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -209,18 +211,31 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
 
 @dataclass
 class Sequence:
+    """One training sequence; its features stay on disk until read (shards can outgrow RAM)."""
+
     tokens: torch.Tensor  # long [T]
-    features: torch.Tensor  # bf16 [T, F]
     prompt_len: int
+    shard: Path
+    start: int  # row of the first token in the shard's features
+
+    @property
+    def features(self) -> torch.Tensor:
+        """bf16 [T, F], read from the shard's memory map."""
+        return _open_shard(self.shard).get_slice("features")[self.start : self.start + len(self.tokens)]
+
+
+@lru_cache(maxsize=64)
+def _open_shard(path: Path):
+    return safe_open(path, "pt")
 
 
 def load_shards(data_dir: str | Path) -> list[Sequence]:
-    """Every sequence of every shard in ``data_dir``."""
+    """Every sequence of every shard in ``data_dir`` (tokens in memory, features on disk)."""
     seqs = []
     for f in sorted(Path(data_dir).glob("shard_*.safetensors")):
-        t = load_file(f)
-        off = t["offsets"].tolist()
+        with safe_open(f, "pt") as t:
+            tokens, off = t.get_tensor("tokens"), t.get_tensor("offsets").tolist()
+            plens = t.get_tensor("prompt_lens")
         for i in range(len(off) - 1):
-            seqs.append(Sequence(t["tokens"][off[i] : off[i + 1]].long(),
-                                 t["features"][off[i] : off[i + 1]], int(t["prompt_lens"][i])))
+            seqs.append(Sequence(tokens[off[i] : off[i + 1]].long(), int(plens[i]), f, off[i]))
     return seqs
