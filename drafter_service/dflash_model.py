@@ -274,14 +274,33 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     # -- checkpoints (DFlash format) ----------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(
+        self, path: str | Path, dtype: torch.dtype | None = None, max_file_mb: float | None = None
+    ) -> None:
+        """Config, weights (in ``dtype`` if given) and the token map; weights are split into
+        files of at most ``max_file_mb`` MiB when given (``load`` reads every file)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
+        for old in path.glob("model*.safetensors"):
+            old.unlink()
+        limit = int(max_file_mb * 2**20) if max_file_mb else None
+        files: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for k, v in state.items():
+            nbytes = v.numel() * v.element_size()
+            if limit and files[-1] and size + nbytes > limit:
+                files.append({})
+                size = 0
+            files[-1][k] = v
+            size += nbytes
+        for i, part in enumerate(files):
+            n = len(files)
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file(part, path / name, metadata={"format": "pt"})
         if self.d2t is not None:
-            save_file({"d2t": self.d2t.contiguous()}, path / "draft_vocab.safetensors")
+            save_file({"d2t": self.d2t.cpu().contiguous()}, path / "draft_vocab.safetensors")
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:

@@ -42,6 +42,7 @@ class GenDataConfig:
     # training data needs no fp32, but bf16 only pays on a CPU with native bf16 (AVX512-BF16,
     # AMX): on an AVX2-only CPU a bf16 matmul is ~5x slower than fp32 (docs/training.md)
     dtype: str = "float32"
+    device: str = "cpu"  # "cuda" on a GPU (scripts/gpu_drafter.sh); features are written from the CPU
     temperature: float = 0.0  # 0 = greedy responses
     seed: int = 0
     max_batches: int = 0  # stop after this many shards (0 = all): a run cut short, reproducibly
@@ -59,7 +60,7 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     Tokenising ~50k chat prompts takes minutes on this CPU, so the plan is kept in ``cache``
     (keyed by every field that shapes it) and a restarted job reads it back.
     """
-    key = {k: v for k, v in asdict(cfg).items() if k not in ("out", "max_batches", "dtype")}
+    key = {k: v for k, v in asdict(cfg).items() if k not in ("out", "max_batches", "dtype", "device")}
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
@@ -108,7 +109,7 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(asdict(cfg), indent=2))
-    model, tok = load_target(cfg.target, torch.device("cpu"), getattr(torch, cfg.dtype))
+    model, tok = load_target(cfg.target, torch.device(cfg.device), getattr(torch, cfg.dtype))
     batches = plan_batches(cfg, tok, out / "plan.json")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = set(filter(None, [tok.eos_token_id])) | {2}
@@ -163,14 +164,16 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
     layer_ids = cfg.target_layer_ids
 
     def layer_feats(o) -> torch.Tensor:
-        return torch.cat([o.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+        return torch.cat([o.hidden_states[i + 1] for i in layer_ids], dim=-1).to("cpu", torch.bfloat16)
 
+    dev = model.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
@@ -195,9 +198,10 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         if len(keep) == 0:
             break
         if len(keep) < len(rows):
+            rows, keep = rows[keep], keep.to(dev)
             cache.batch_select_indices(keep)
-            rows, attn, nxt, last_pos = rows[keep], attn[keep], nxt[keep], last_pos[keep]
-        attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype)], dim=1)
+            attn, nxt, last_pos = attn[keep], nxt[keep], last_pos[keep]
+        attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype, device=dev)], dim=1)
         last_pos = last_pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None],
                     use_cache=True, output_hidden_states=True, **kv)

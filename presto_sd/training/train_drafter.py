@@ -56,6 +56,7 @@ class TrainConfig:
     init_from_target: bool = True
     prefix_rank: int = 0  # rank of the prefix-conditioned head (0 = none; DFlash as published)
     prefix_weight: float = 1.0  # weight of the conditional CE beside the marginal one
+    device: str = "cpu"  # "cuda" on a GPU (scripts/gpu_drafter.sh)
 
 
 def sequence_key(s: Sequence) -> str:
@@ -188,7 +189,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     meta = json.loads((Path(cfg.data) / "meta.json").read_text())
     target, _ = load_target(cfg.target or meta.get("target"), torch.device("cpu"), torch.float32)
-    embed = target.get_input_embeddings().weight.detach()
+    dev = torch.device(cfg.device)
+    embed = target.get_input_embeddings().weight.detach().to(dev)
     seqs = load_shards(cfg.data)
     rng.shuffle(seqs)
     ckpt = out / "train_state.pt"
@@ -220,7 +222,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
     model = DFlashDraftModel(DFlashConfig.from_dict(dcfg))
     if cfg.init_from_target and state is None:
         init_from_target(model, target, feature_scales(train))
-    head = target.get_output_embeddings().weight.detach()[d2t]
+    head = target.get_output_embeddings().weight.detach()[d2t].to(dev)
+    model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
     if state is not None:
@@ -235,7 +238,7 @@ def train_drafter(cfg: TrainConfig) -> Path:
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = make_batch(rng.sample(train, cfg.batch_seqs), cfg, vocab.t2d, rng)
+        batch = tuple(x.to(dev) for x in make_batch(rng.sample(train, cfg.batch_seqs), cfg, vocab.t2d, rng))
         model.train()
         loss, pred, tids, pred_cond = block_loss(model, head, embed, batch, cfg)
         opt.zero_grad()
@@ -245,11 +248,12 @@ def train_drafter(cfg: TrainConfig) -> Path:
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0:
-            acc = _position_accuracy(d2t[pred.clamp_min(0)], tids)
+            tids = tids.cpu()
+            acc = _position_accuracy(d2t[pred.clamp_min(0).cpu()], tids)
             rec = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "acc": acc,
                    "elapsed_s": round(time.perf_counter() - t0, 1)}
             if pred_cond is not None:  # top-1 given the true parent: what a tree's children see
-                rec["acc_cond"] = _position_accuracy(d2t[pred_cond.clamp_min(0)], tids)
+                rec["acc_cond"] = _position_accuracy(d2t[pred_cond.clamp_min(0).cpu()], tids)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}")
@@ -262,8 +266,9 @@ def train_drafter(cfg: TrainConfig) -> Path:
     bar.close()
     model.eval()
     with torch.no_grad():
-        hb = make_batch(heldout, cfg, vocab.t2d, random.Random(1))
+        hb = tuple(x.to(dev) for x in make_batch(heldout, cfg, vocab.t2d, random.Random(1)))
         hl, hp, ht, hc = block_loss(model, head, embed, hb, cfg)
+        hp, ht, hc = hp.cpu(), ht.cpu(), hc.cpu() if hc is not None else None
     heldout_acc = _position_accuracy(d2t[hp.clamp_min(0)], ht)
     report = {"heldout_loss": round(hl.item(), 4), "heldout_acc": heldout_acc,
               "heldout_acc_cond": _position_accuracy(d2t[hc.clamp_min(0)], ht) if hc is not None else None,
@@ -286,4 +291,4 @@ def save_drafter(model: DFlashDraftModel, d2t: torch.Tensor, path: Path, cfg: Tr
     reduced = len(d2t) < model.config.vocab_size
     model.config = replace(model.config, draft_vocab_size=len(d2t) if reduced else None)  # idempotent
     model.d2t = d2t if reduced else None
-    model.save(path)
+    model.save(path)  # DFlashDraftModel.save writes from the CPU
