@@ -1,16 +1,16 @@
 """``RemoteDrafter``: the ``Drafter`` interface over gRPC, so the loop runs unchanged.
 
-Status codes come back as the named errors of ``presto_sd.messages``; a server that is
+Status codes come back as the named errors of ``presto_sd.engine.messages``; a server that is
 away or too slow raises ``DrafterUnavailableError`` (the loop then takes AR steps).
 """
 
 from __future__ import annotations
 
 from drafter_service import wire
-from drafter_service.engine import Drafter, DrafterInfo, DraftResult
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from presto_sd.builders import TreeParams
-from presto_sd.messages import DrafterUnavailableError, FeatureDelta
+from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.messages import DrafterUnavailableError, FeatureDelta
+from presto_sd.method.builders import TreeParams
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.wire import delta_to_pb, session_ref_to_pb, tree_params_to_pb
 

@@ -11,9 +11,9 @@ import grpc
 import torch
 
 from drafter_service import wire
-from drafter_service.engine import DrafterInfo
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from presto_sd.messages import InvalidArgumentError
+from presto_sd.engine.drafter import DrafterInfo
+from presto_sd.engine.messages import InvalidArgumentError
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import delta_from_pb, session_id_from, session_ref_from_pb, tree_params_from_pb
 
@@ -57,9 +57,9 @@ def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 25
                  dtype: torch.dtype | None = None):
     """A ``DFlashDrafter`` with the target's embeddings and lm_head (the rest of the target
     is dropped), and the drafter's shipped PRESTO defaults for ``Info``."""
-    from drafter_service.dflash_drafter import DFlashDrafter
-    from orchestrator.embedded import rho_providers_from
-    from presto_sd.models import load_drafter_model, load_target, read_json, resolve_drafter
+    from presto_sd.embedded.dflash_drafter import DFlashDrafter
+    from presto_sd.embedded.stack import rho_providers_from
+    from presto_sd.models.loading import load_drafter_model, load_target, read_json, resolve_drafter
 
     model, _ = load_target(target, dtype=dtype)
     spec = resolve_drafter(drafter, target)

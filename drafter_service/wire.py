@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from drafter_service.engine import DrafterInfo, DraftResult
 from presto_pb.v1 import drafter_pb2 as pb
+from presto_sd.engine.drafter import DrafterInfo, DraftResult
+from presto_sd.method.scores import DraftMarginals
 from presto_sd.rpc.wire import tensor_from_pb, tensor_to_pb, tree_from_pb, tree_to_pb
-from presto_sd.scores import DraftMarginals
 
 NO_MARGINALS = DraftMarginals(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1), torch.zeros(0))
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from presto_sd.messages import EngineError
+from presto_sd.engine.messages import EngineError
 from presto_sd.rpc.client import ClientConfig
 from presto_sd.rpc.errors import RemoteError
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import grpc
 
-from orchestrator.scheduler import ChunkStats, StreamChunk
+from orchestrator.orchestrator import ChunkStats, StreamChunk
 from presto_pb.v1 import common_pb2, orchestrator_pb2_grpc
 from presto_pb.v1 import orchestrator_pb2 as pb
-from presto_sd.messages import UnavailableError
+from presto_sd.engine.messages import UnavailableError
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.errors import error_from_rpc
 

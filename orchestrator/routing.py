@@ -29,12 +29,10 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from drafter_service.engine import Drafter, DrafterInfo, DraftResult
 from orchestrator.actors import Outcome, ReplicaSpec
 from orchestrator.metrics import Metrics
-from presto_sd.acceptance import SamplingParams
-from presto_sd.builders import TreeParams
-from presto_sd.messages import (
+from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.messages import (
     DrafterUnavailableError,
     EngineError,
     FeatureDelta,
@@ -42,8 +40,10 @@ from presto_sd.messages import (
     UnavailableError,
     VerifierUnavailableError,
 )
-from presto_sd.tree import TokenTree
-from verifier_service.engine import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
+from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.tree import TokenTree
 
 
 @dataclass(frozen=True)

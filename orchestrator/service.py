@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from orchestrator.generate import GenerationParams
-from orchestrator.scheduler import GenerateJob, Orchestrator, StreamChunk
+from orchestrator.orchestrator import GenerateJob, Orchestrator, StreamChunk
 from presto_pb.v1 import orchestrator_pb2 as pb
 from presto_pb.v1 import orchestrator_pb2_grpc
-from presto_sd.builders import METHODS
-from presto_sd.messages import InvalidArgumentError
-from presto_sd.models import encode_messages
+from presto_sd.engine.messages import InvalidArgumentError
+from presto_sd.loop.generate import GenerationParams
+from presto_sd.method.builders import METHODS
+from presto_sd.models.loading import encode_messages
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import (
     sampling_from_pb,

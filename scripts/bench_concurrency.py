@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args() -> argparse.Namespace:
-    from presto_sd.cli import _add_generation_args
+    from presto_sd.app.cli import _add_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="embedded,distributed", help="embedded,distributed")
@@ -45,8 +45,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def prompts(args: argparse.Namespace, tok) -> list[tuple[int, ...]]:
-    from presto_sd.datasets import load_prompts
-    from presto_sd.models import encode_messages
+    from presto_sd.app.datasets import load_prompts
+    from presto_sd.models.loading import encode_messages
 
     return [tuple(encode_messages(tok, p.messages)) for p in load_prompts("gsm8k", n=args.n)]
 
@@ -88,8 +88,8 @@ def run_level(orch, jobs, level: int, bar) -> dict:
 def start_mode(mode: str, args: argparse.Namespace, children: list):
     """The orchestrator of ``mode``; server processes it starts go into ``children``."""
     from orchestrator.actors import local_spec, remote_spec
-    from orchestrator.cli import _Child
-    from orchestrator.scheduler import Orchestrator
+    from orchestrator.orchestrator import Orchestrator
+    from presto_sd.app.up import _Child
 
     if mode == "embedded":
         return Orchestrator.start([local_spec("drafter", 0, args.target, args.drafter, args.threads)],
@@ -109,9 +109,9 @@ def start_mode(mode: str, args: argparse.Namespace, children: list):
 def plain_rows(args: argparse.Namespace, encoded) -> dict:
     import torch
 
-    from orchestrator.embedded import build_embedded
-    from orchestrator.generate import generate
-    from presto_sd.cli import generation_params
+    from presto_sd.app.cli import generation_params
+    from presto_sd.embedded.stack import build_embedded
+    from presto_sd.loop.generate import generate
 
     torch.set_num_threads(args.plain_threads)
     stack = build_embedded(args.target, args.drafter)
@@ -131,9 +131,9 @@ def main() -> None:
     import ray
     from tqdm import tqdm
 
-    from orchestrator.scheduler import GenerateJob
-    from presto_sd.cli import generation_params
-    from presto_sd.models import load_tokenizer, read_json, resolve_drafter
+    from orchestrator.orchestrator import GenerateJob
+    from presto_sd.app.cli import generation_params
+    from presto_sd.models.loading import load_tokenizer, read_json, resolve_drafter
 
     args = parse_args()
     modes = [m for m in args.modes.split(",") if m]

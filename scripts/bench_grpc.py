@@ -35,7 +35,7 @@ PROMPTS = [
 
 
 def spawn(kind: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int, queue.Queue]:
-    cmd = [sys.executable, "-m", "presto_sd.cli", "serve", kind, "--port", "0", "--drafter", args.drafter,
+    cmd = [sys.executable, "-m", "presto_sd.app.cli", "serve", kind, "--port", "0", "--drafter", args.drafter,
            "--threads", str(args.threads), "--drain-s", "0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: queue.Queue = queue.Queue()
@@ -56,7 +56,7 @@ def spawn(kind: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int, q
 
 def run(verifier, drafter, prompt_ids, params) -> dict:
     """One request; wall time, rounds and (remote engines only) bytes per round."""
-    from orchestrator.generate import stream_generate
+    from presto_sd.loop.generate import stream_generate
 
     def wire_bytes() -> int:
         return sum(e.rpc.stats.bytes_sent + e.rpc.stats.bytes_received
@@ -124,10 +124,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from drafter_service.remote import RemoteDrafter
-    from orchestrator.embedded import build_embedded
-    from orchestrator.generate import GenerationParams
-    from presto_sd.builders import TreeParams
-    from presto_sd.cli import encode_prompt
+    from presto_sd.app.cli import encode_prompt
+    from presto_sd.embedded.stack import build_embedded
+    from presto_sd.loop.generate import GenerationParams
+    from presto_sd.method.builders import TreeParams
     from verifier_service.remote import RemoteVerifier
 
     servers = {kind: spawn(kind, args) for kind in ("verifier", "drafter")}

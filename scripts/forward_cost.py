@@ -6,7 +6,7 @@
 Times the decoder plus one row of the lm_head (what a verify needs before its walk) for
 ``n`` new tokens after a prefilled context, the KV cache trimmed back after each forward;
 prints the median over ``reps`` (the first 3 dropped) per size, in ms. ``--tree-mask``
-passes a chain's tree-attention mask (``presto_sd.tree``) instead of none;
+passes a chain's tree-attention mask (``presto_sd.method.tree``) instead of none;
 ``--onednn-linear`` runs every ``nn.Linear`` through oneDNN (``torch.ops.mkldnn``, a
 private op: an experiment, not an engine option). This is where docs/taps.md's and
 docs/benchmarks.md's per-size forward times come from.
@@ -21,8 +21,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from presto_sd.models import load_target, parse_dtype
-from presto_sd.tree import TokenTree, tree_attention_mask
+from presto_sd.method.tree import TokenTree, tree_attention_mask
+from presto_sd.models.loading import load_target, parse_dtype
 
 
 def _onednn_linear(model: torch.nn.Module) -> None:

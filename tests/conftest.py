@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_service.dflash_drafter import DFlashDrafter
-from drafter_service.dflash_model import DFlashConfig, DFlashDraftModel
-from presto_sd.models import random_drafter_config
-from verifier_service.hf_verifier import HFVerifier
+from presto_sd.embedded.dflash_drafter import DFlashDrafter
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
+from presto_sd.models.loading import random_drafter_config
 
 torch.set_num_threads(1)  # tiny models: threads cost more than they give, and CI has 2 cores
 

@@ -125,7 +125,7 @@ def make_pki(tmp: Path) -> dict[str, str]:
 # -- real server processes --------------------------------------------------------------
 def spawn(args: list[str], stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, queue.Queue]:
     """``presto-sd ARGS`` as a process; its stderr lines arrive on the queue."""
-    proc = subprocess.Popen([sys.executable, "-m", "presto_sd.cli", *args], stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "presto_sd.app.cli", *args], stderr=subprocess.PIPE,
                             stdout=stdout, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()

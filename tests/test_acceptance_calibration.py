@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from presto_sd.acceptance_calibration import (
+from presto_sd.method.acceptance_calibration import (
     AcceptanceCalibration,
     OnlineAcceptanceCalibrator,
     node_trials,
 )
-from presto_sd.tree import TokenTree
+from presto_sd.method.tree import TokenTree
 
 
 def test_identity_is_exact_and_a_map_is_monotone_into_0_1():

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from orchestrator.generate import GenerationParams, GenerationResult
-from presto_sd.acceptance import SamplingParams
-from presto_sd.bench import methods
-from presto_sd.bench.report import machine_info
-from presto_sd.bench.runner import BenchConfig, BenchPrompt, Job, bench, run_bench
-from presto_sd.bench.stats import table_rows
-from presto_sd.builders import TreeParams
-from presto_sd.cli import build_parser
+from presto_sd.app.bench import methods
+from presto_sd.app.bench.report import machine_info
+from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, Job, bench, run_bench
+from presto_sd.app.bench.stats import table_rows
+from presto_sd.app.cli import build_parser
+from presto_sd.loop.generate import GenerationParams, GenerationResult
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.builders import TreeParams
 from tests.conftest import make_engines
 
 ALL = ("ar", "hf-prompt-lookup", "linear", "marginal", "presto-beam", "presto-best-first", "taps")
@@ -108,7 +108,7 @@ def test_config_and_parser_errors():
         config(budgets=(0,))
     args = build_parser().parse_args(["bench", "--datasets", "gsm8k", "--budgets", "8,16,32",
                                       "--methods", "ar,marginal", "--out", "x"])
-    from presto_sd.bench.cli import bench_config
+    from presto_sd.app.bench.cli import bench_config
 
     cfg = bench_config(args, (2,), {})
     assert cfg.budgets == (8, 16, 32) and cfg.methods == ("ar", "marginal")
@@ -116,7 +116,7 @@ def test_config_and_parser_errors():
 
 
 def test_prompts_file_is_its_own_dataset(tmp_path):
-    from presto_sd.bench.cli import load_bench_prompts
+    from presto_sd.app.bench.cli import load_bench_prompts
 
     f = tmp_path / "mine.jsonl"
     f.write_text('{"prompt": "one"}\n{"messages": [{"role": "user", "content": "two"}]}\n{"prompt": "3"}\n')

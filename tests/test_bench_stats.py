@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.generate import RoundStats
-from presto_sd.bench.stats import RunLog, summarize, table_rows, tau, time_split
+from presto_sd.app.bench.stats import RunLog, summarize, table_rows, tau, time_split
+from presto_sd.loop.generate import RoundStats
 
 
 def rnd(accepted, size=0, draft=0.0, build=0.0, verify=0.0, commit=0.0):

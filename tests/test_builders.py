@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from presto_sd.builders import (
+from presto_sd.method.builders import (
     TreeParams,
     build_linear_tree,
     build_marginal_tree,
@@ -18,9 +18,9 @@ from presto_sd.builders import (
     build_presto_best_first_tree,
     build_tree,
 )
-from presto_sd.ngram import NGramModel
-from presto_sd.scores import ConstantRho, DraftMarginals, NGramRho, ScoringContext
-from presto_sd.tree import TokenTree, TreeError, TreeLimits
+from presto_sd.method.ngram import NGramModel
+from presto_sd.method.scores import ConstantRho, DraftMarginals, NGramRho, ScoringContext
+from presto_sd.method.tree import TokenTree, TreeError, TreeLimits
 
 
 def random_marginals(depth: int, k: int, vocab: int = 50, seed: int = 0) -> DraftMarginals:
@@ -214,7 +214,7 @@ def test_ngram_backoff_and_persistence(tmp_path):
 
 
 def test_hphi_with_the_ngram_feature_needs_the_ngram_and_reads_it():
-    from presto_sd.scores import HPhi, LearnedRho
+    from presto_sd.method.scores import HPhi, LearnedRho
 
     m = random_marginals(3, 4)
     embed = torch.randn(50, 6)

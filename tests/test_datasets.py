@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from presto_sd import datasets as ds
-from presto_sd.cache import cache_dir
-from presto_sd.datasets import DatasetError, Prompt
+from presto_sd.app import datasets as ds
+from presto_sd.app.datasets import DatasetError, Prompt
+from presto_sd.models.cache import cache_dir
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.faults import FaultPolicy
-from orchestrator.generate import GenerationParams, stream_generate
-from presto_sd.acceptance import SamplingParams
-from presto_sd.builders import TreeParams
-from presto_sd.messages import DrafterUnavailableError, LimitExceededError, VerifierUnavailableError
+from presto_sd.engine.messages import DrafterUnavailableError, LimitExceededError, VerifierUnavailableError
+from presto_sd.loop.faults import FaultPolicy
+from presto_sd.loop.generate import GenerationParams, stream_generate
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.builders import TreeParams
 from tests.conftest import hf_greedy, make_engines
 
 PROMPT = [0, 3, 5, 7]

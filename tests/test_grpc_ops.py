@@ -14,23 +14,23 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drafter_service.dflash_drafter import DFlashDrafter
 from drafter_service.remote import RemoteDrafter
-from orchestrator.faults import FaultPolicy
-from orchestrator.generate import GenerationParams, stream_generate
-from presto_sd.builders import TreeParams
-from presto_sd.messages import (
+from presto_sd.embedded.dflash_drafter import DFlashDrafter
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.engine.messages import (
     DrafterUnavailableError,
     FeatureDelta,
     SessionNotFoundError,
     UnauthenticatedError,
     VerifierUnavailableError,
 )
+from presto_sd.loop.faults import FaultPolicy
+from presto_sd.loop.generate import GenerationParams, stream_generate
+from presto_sd.method.builders import TreeParams
 from presto_sd.rpc.client import ClientConfig, make_channel
 from presto_sd.rpc.server import NOT_SERVING, SERVING, ServerConfig
 from tests.conftest import hf_greedy, make_engines, tiny_drafter_model
 from tests.rpc_util import LocalServer, make_pki, spawn, submit, wait_for
-from verifier_service.hf_verifier import HFVerifier
 from verifier_service.remote import RemoteVerifier
 
 PROMPT = [0, 3, 5, 7]
@@ -264,8 +264,8 @@ def _spawn(kind: str) -> tuple[subprocess.Popen, queue.Queue]:
 def test_smollm2_over_grpc_with_real_servers(capsys):
     import torch
 
-    from presto_sd import cli
-    from presto_sd.models import eos_token_ids, load_target
+    from presto_sd.app import cli
+    from presto_sd.models.loading import eos_token_ids, load_target
 
     servers = {kind: _spawn(kind) for kind in ("verifier", "drafter")}
     try:

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from drafter_service.remote import RemoteDrafter
-from orchestrator.generate import GenerationParams, generate
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from presto_sd.builders import TreeParams
-from presto_sd.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.loop.generate import GenerationParams, generate
+from presto_sd.method.builders import TreeParams
 from presto_sd.rpc import wire
 from presto_sd.rpc.client import make_channel
 from tests.conftest import hf_greedy, make_engines
@@ -190,8 +190,8 @@ def test_bad_drafter_input_gets_its_code(stack):
 
 
 def test_session_cap(tiny_target):
-    from verifier_service.engine import VerifierLimits
-    from verifier_service.hf_verifier import HFVerifier
+    from presto_sd.embedded.hf_verifier import HFVerifier
+    from presto_sd.engine.verifier import VerifierLimits
 
     server = LocalServer("verifier").start(HFVerifier(tiny_target, (0, 2), VerifierLimits(max_sessions=2)))
     stub = verifier_pb2_grpc.VerifierServiceStub(make_channel(server.address))

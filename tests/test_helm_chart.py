@@ -358,7 +358,7 @@ def test_names_fit_kubernetes_limits_with_the_longest_release_name():
 # -- the command lines parse with presto-sd's own CLI ------------------------------------------
 @pytest.fixture(scope="module")
 def presto_cli():
-    from presto_sd.cli import build_parser
+    from presto_sd.app.cli import build_parser
 
     return build_parser()
 
@@ -418,7 +418,7 @@ def test_test_hook_command_line_parses(rendered, presto_cli):
 
 
 def test_schema_methods_are_the_cli_methods():
-    from presto_sd.cli import METHOD_CHOICES
+    from presto_sd.app.cli import METHOD_CHOICES
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["engine"]["properties"]["method"]["enum"] == list(METHOD_CHOICES)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.engine import Drafter, DrafterInfo, DraftResult
-from orchestrator.generate import GenerationParams, generate
-from presto_sd.builders import TreeParams
-from presto_sd.scores import DraftMarginals
-from presto_sd.tree import TokenTree
+from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
+from presto_sd.loop.generate import GenerationParams, generate
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.scores import DraftMarginals
+from presto_sd.method.tree import TokenTree
 from tests.conftest import hf_greedy, make_engines, tiny_llama
 
 METHODS = ["linear", "marginal", "presto-beam", "presto-best-first", "taps"]
@@ -36,7 +36,7 @@ def test_greedy_equals_ar(tiny_target, method, budget, depth):
 def test_taps_greedy_equals_ar_with_the_draft_gate_held_open(tiny_target, monkeypatch, budget, depth):
     """The gate turns rounds that do not pay into AR steps, which thins the taps cases
     above; held open, every round verifies a tree TAPS chose."""
-    from orchestrator.taps_feedback import TapsFeedback
+    from presto_sd.loop.taps_feedback import TapsFeedback
 
     monkeypatch.setattr(TapsFeedback, "should_draft", lambda self: True)
     verifier, drafter = make_engines(tiny_target)
@@ -145,8 +145,8 @@ def test_stop_strings(tiny_target):
 @pytest.mark.smollm2
 def test_smollm2_greedy_equals_ar():
     """Once on the real target: SmolLM2-135M-Instruct, a few chat prompts, 32 tokens."""
-    from orchestrator.embedded import build_embedded
-    from presto_sd.cli import encode_prompt
+    from presto_sd.app.cli import encode_prompt
+    from presto_sd.embedded.stack import build_embedded
 
     stack = build_embedded(device=torch.device("cpu"))
     tok, model = stack.tokenizer, stack.verifier.model
@@ -165,7 +165,7 @@ def test_smollm2_greedy_equals_ar():
 def test_taps_trees_really_reach_the_verifier(tiny_target):
     """Whatever cost the tiny model measures, a flat cost makes TAPS fill its cap: the
     taps equality tests above then exercise real trees, not AR steps."""
-    from presto_sd.cost_model import CostFit, OnlineCostModel
+    from presto_sd.method.cost_model import CostFit, OnlineCostModel
 
     verifier, drafter = make_engines(tiny_target)
     verifier.forward_costs = OnlineCostModel(prior=CostFit(0.05, 0.0, 0.0, 0.0))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from presto_sd.cache import cache_dir
-from presto_sd.models import SMOLLM2_GGUF, fetch_smollm2, load_target, resolve_drafter
+from presto_sd.models.cache import cache_dir
+from presto_sd.models.loading import SMOLLM2_GGUF, fetch_smollm2, load_target, resolve_drafter
 
 
 @pytest.mark.smollm2
@@ -33,8 +33,8 @@ def test_drafter_resolution(tmp_path):
 
 
 def test_dtype_flag_is_the_same_on_every_command_and_parses_to_torch():
-    from presto_sd.cli import DTYPE_CHOICES, build_parser
-    from presto_sd.models import DTYPE_NAMES, parse_dtype
+    from presto_sd.app.cli import DTYPE_CHOICES, build_parser
+    from presto_sd.models.loading import DTYPE_NAMES, parse_dtype
 
     assert DTYPE_CHOICES == DTYPE_NAMES  # the CLI's copy, kept free of transformers
     assert parse_dtype("auto") is None and parse_dtype(None) is None
@@ -49,7 +49,7 @@ def test_dtype_flag_is_the_same_on_every_command_and_parses_to_torch():
 
 
 def test_dtype_is_refused_for_remote_engines():
-    from presto_sd.cli import main
+    from presto_sd.app.cli import main
 
     with pytest.raises(SystemExit, match="serve verifier"):
         main(["generate", "hi", "--verifier-addr", "127.0.0.1:1", "--dtype", "bfloat16"])

@@ -23,12 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator import service
 from orchestrator.client import OrchestratorClient
-from orchestrator.faults import FaultPolicy
-from orchestrator.generate import GenerationParams
 from orchestrator.metrics import prometheus_names
-from orchestrator.scheduler import Orchestrator
-from presto_sd.builders import TreeParams
-from presto_sd.messages import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from orchestrator.orchestrator import Orchestrator
+from presto_sd.engine.messages import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from presto_sd.loop.faults import FaultPolicy
+from presto_sd.loop.generate import GenerationParams
+from presto_sd.method.builders import TreeParams
 from presto_sd.rpc.client import ClientConfig
 from presto_sd.rpc.server import GrpcServer, ServerConfig
 from tests import rpc_util
@@ -255,7 +255,7 @@ def test_verifier_lost_fails_after_the_retry_budget(stack):
 def test_chunk_stats_carry_taps_gated_rounds_over_the_wire_and_into_metrics():
     from orchestrator.client import chunk_from_pb
     from orchestrator.metrics import Metrics
-    from orchestrator.scheduler import ChunkStats, StreamChunk
+    from orchestrator.orchestrator import ChunkStats, StreamChunk
 
     chunk = StreamChunk((5,), "x", ChunkStats(0, 0, 0.0, 0.04, 0.0, 0.001, False, True), None)
     assert chunk_from_pb(service.chunk_to_pb(chunk, "r1")).stats == chunk.stats

@@ -15,12 +15,12 @@ import pytest
 import ray
 
 from orchestrator.actors import remote_spec
-from orchestrator.faults import FaultPolicy
-from orchestrator.generate import GenerationParams
-from orchestrator.scheduler import GenerateJob, Orchestrator
-from presto_sd import cli
-from presto_sd.builders import TreeParams
-from presto_sd.models import eos_token_ids, load_tokenizer
+from orchestrator.orchestrator import GenerateJob, Orchestrator
+from presto_sd.app import cli
+from presto_sd.loop.faults import FaultPolicy
+from presto_sd.loop.generate import GenerationParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.models.loading import eos_token_ids, load_tokenizer
 from tests.conftest import hf_greedy, tiny_llama
 from tests.orchestrator_util import alive, descendants, spawn_server
 from tests.rpc_util import wait_for
@@ -54,7 +54,7 @@ def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
     path, _, _ = tiny_dir
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen(
-        [sys.executable, "-m", "presto_sd.cli", "up", "--port", "0", "--target", str(path), "--drafter",
+        [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--target", str(path), "--drafter",
          "random", "--threads", "1", "--drain-s", "0", "--grace-s", "1"],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.generate import GenerationParams
-from presto_sd.bench.replay import OracleVerifier, position_stats, record, replay_bench, replay_rows
-from presto_sd.bench.runner import BenchConfig, BenchPrompt, run_bench
-from presto_sd.bench.stats import table_rows
-from presto_sd.builders import TreeParams
-from presto_sd.messages import InvalidArgumentError, StaleBaseError
-from presto_sd.tree import TokenTree
+from presto_sd.app.bench.replay import OracleVerifier, position_stats, record, replay_bench, replay_rows
+from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, run_bench
+from presto_sd.app.bench.stats import table_rows
+from presto_sd.engine.messages import InvalidArgumentError, StaleBaseError
+from presto_sd.loop.generate import GenerationParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.tree import TokenTree
 from tests.conftest import make_engines
 
 PROMPTS = [

@@ -15,11 +15,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from presto_sd import acceptance
-from presto_sd.acceptance import SamplingParams
-from presto_sd.tree import TokenTree
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.method import acceptance
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.tree import TokenTree
 from tests.conftest import tiny_llama
-from verifier_service.hf_verifier import HFVerifier
 
 V = 6
 N = 6000
@@ -96,7 +96,7 @@ def test_a_wrong_acceptance_rule_is_caught(model, monkeypatch):
             node = plausible[0]
             path.append(node)
 
-    monkeypatch.setattr("verifier_service.hf_verifier.walk_tree", plausible_walk)
+    monkeypatch.setattr("presto_sd.embedded.hf_verifier.walk_tree", plausible_walk)
     p = chi_square_p(sample_pairs(model), exact_joint(model))
     assert p < 1e-6, f"the test failed to catch a biased acceptance rule (p = {p:.2e})"
 

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from presto_sd.acceptance_calibration import AcceptanceCalibration
-from presto_sd.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
-from presto_sd.cost_model import CostFit, OnlineCostModel, fit_cost
-from presto_sd.scores import ConstantRho, NGramRho
-from presto_sd.taps import choose_budget
+from presto_sd.method.acceptance_calibration import AcceptanceCalibration
+from presto_sd.method.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
+from presto_sd.method.cost_model import CostFit, OnlineCostModel, fit_cost
+from presto_sd.method.scores import ConstantRho, NGramRho
+from presto_sd.method.taps import choose_budget
 from tests.test_builders import assert_well_formed, ctx_for, random_marginals
 
 FLAT = CostFit(0.05, 0.0, 0.0, 0.0)
@@ -218,7 +218,7 @@ def peaked_marginals(depth: int, k: int, top: float = 0.85):
     """Top-1 far ahead at every position: the best small trees are chains."""
     import torch
 
-    from presto_sd.scores import DraftMarginals
+    from presto_sd.method.scores import DraftMarginals
 
     probs = torch.tensor([top] + [(1 - top) / (k + 1)] * (k - 1))
     ids = torch.arange(depth * k).reshape(depth, k) % 50
@@ -244,8 +244,8 @@ class _CalibratedVerifier:
 
 
 def test_taps_feedback_hands_the_loop_what_it_learned():
-    from orchestrator.taps_feedback import TapsFeedback
-    from presto_sd.tree import TokenTree
+    from presto_sd.loop.taps_feedback import TapsFeedback
+    from presto_sd.method.tree import TokenTree
 
     fb = TapsFeedback(_CalibratedVerifier())
     first = fb.tree_params(TreeParams(method="taps"))
@@ -281,8 +281,8 @@ def skipped_after(fb, tree, raw, accepted, verify_s):
 
 
 def test_the_draft_gate_backs_off_while_drafting_loses_to_ar_steps():
-    from orchestrator.taps_feedback import TapsFeedback
-    from presto_sd.tree import TokenTree
+    from presto_sd.loop.taps_feedback import TapsFeedback
+    from presto_sd.method.tree import TokenTree
 
     fb = TapsFeedback(_CalibratedVerifier(), max_backoff=4)  # an AR step: ~33 ms + 1 ms commit
     root = TokenTree.root_only(7)

@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_service.dflash_model import DFlashDraftModel
-from orchestrator.embedded import build_embedded
-from orchestrator.generate import GenerationParams, generate
-from presto_sd.builders import TreeParams
-from presto_sd.models import DEFAULT_DRAFTER, fetch_smollm2
-from presto_sd.training.acceptance import AcceptanceConfig, train_acceptance
-from presto_sd.training.gen_data import GenDataConfig, generate_training_data, load_shards
-from presto_sd.training.train_drafter import TrainConfig, train_drafter
+from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
+from presto_sd.app.training.gen_data import GenDataConfig, generate_training_data, load_shards
+from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
+from presto_sd.embedded.stack import build_embedded
+from presto_sd.loop.generate import GenerationParams, generate
+from presto_sd.method.builders import TreeParams
+from presto_sd.models.dflash import DFlashDraftModel
+from presto_sd.models.loading import DEFAULT_DRAFTER, fetch_smollm2
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,16 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from presto_sd.messages import (
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
     SessionNotFoundError,
     StaleBaseError,
 )
-from presto_sd.tree import TokenTree
+from presto_sd.engine.verifier import VerifierLimits
+from presto_sd.method.tree import TokenTree
 from tests.conftest import hf_greedy
-from verifier_service.engine import VerifierLimits
-from verifier_service.hf_verifier import HFVerifier
 
 PROMPT = [0, 3, 5, 7, 2, 9, 4]
 # root, then 3 children; a grandchild under the 2nd and 3rd; a depth-3 node under the 3rd's child
@@ -35,7 +35,7 @@ def test_tree_logits_equal_causal_path_logits(tiny_target):
     pre = v.prefill("s", PROMPT)
     tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
     s = v.sessions["s"]
-    mask_fn = __import__("presto_sd.tree", fromlist=["tree_attention_mask"]).tree_attention_mask
+    mask_fn = __import__("presto_sd.method.tree", fromlist=["tree_attention_mask"]).tree_attention_mask
     hidden, _ = v._forward(s.cache, list(tree.tokens), tree.position_ids(len(PROMPT)),
                            mask_fn(tree, len(PROMPT)))
     logits = v._logits(hidden)
@@ -104,7 +104,7 @@ def test_step_is_ar(tiny_target):
 )
 def test_bad_trees_are_refused_and_the_session_survives(tiny_target, tokens, parents, match):
     v = HFVerifier(tiny_target, (0, 2), limits=VerifierLimits(tree=__import__(
-        "presto_sd.tree", fromlist=["TreeLimits"]).TreeLimits(max_nodes=8)))
+        "presto_sd.method.tree", fromlist=["TreeLimits"]).TreeLimits(max_nodes=8)))
     pre = v.prefill("s", PROMPT)
     a = pre.anchor
     if tokens == "big":
@@ -181,7 +181,7 @@ def test_a_failed_forward_leaves_the_session_intact(tiny_target, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated failure after the KV cache grew")
 
-    monkeypatch.setattr("verifier_service.hf_verifier.walk_tree", boom)
+    monkeypatch.setattr("presto_sd.embedded.hf_verifier.walk_tree", boom)
     with pytest.raises(RuntimeError, match="simulated"):
         v.verify("s", pre.base, tree)
     monkeypatch.undo()

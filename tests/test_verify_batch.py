@@ -5,22 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from presto_sd.acceptance import SamplingParams
-from presto_sd.builders import TreeParams
-from presto_sd.messages import (
+from presto_sd.embedded import hf_verifier as hf
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.embedded.packing import ForwardCost, plan_batches
+from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
     SessionNotFoundError,
     StaleBaseError,
     VerifierUnavailableError,
 )
-from presto_sd.tree import TokenTree, TreeBatch, TreeLimits, tree_attention_mask
+from presto_sd.engine.verifier import VerifierLimits, VerifyCall, VerifyResult
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.tree import TokenTree, TreeBatch, TreeLimits, tree_attention_mask
 from tests.conftest import hf_greedy, make_engines
 from tests.rpc_util import LocalServer
-from verifier_service import hf_verifier as hf
-from verifier_service.engine import VerifierLimits, VerifyCall, VerifyResult
-from verifier_service.hf_verifier import HFVerifier
-from verifier_service.packing import ForwardCost, plan_batches
 from verifier_service.remote import RemoteVerifier
 
 LAYOUTS = ["packed", "padded", "auto"]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from presto_pb.v1 import common_pb2 as pb
-from presto_sd.acceptance import SamplingParams
-from presto_sd.builders import TreeParams
-from presto_sd.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.tree import TokenTree
 from presto_sd.rpc import wire
-from presto_sd.tree import TokenTree
 
 
 @pytest.mark.parametrize("dtype", list(wire.DTYPES.values()))
@@ -98,11 +98,11 @@ def test_delta_round_trip_and_checks():
 
 
 def test_cost_model_round_trips_in_tree_params_and_verifier_info():
-    from presto_sd.acceptance_calibration import AcceptanceCalibration
-    from presto_sd.cost_model import CostFit
-    from presto_sd.tree import TreeLimits
+    from presto_sd.engine.verifier import VerifierInfo, VerifierLimits
+    from presto_sd.method.acceptance_calibration import AcceptanceCalibration
+    from presto_sd.method.cost_model import CostFit
+    from presto_sd.method.tree import TreeLimits
     from verifier_service import wire as vwire
-    from verifier_service.engine import VerifierInfo, VerifierLimits
 
     fit = CostFit(0.03, 0.0015, 2e-5, 0.002, tree_s=0.017, n_obs=48)
     p = TreeParams(method="taps", budget=64, cost=fit, draft_s=0.004, node_penalty_s=0.001, depth_penalty=0.5,
@@ -131,8 +131,8 @@ def test_bad_cost_coefficients_name_the_field(bad):
 
 def test_a_taps_draft_carries_its_raw_acceptance_over_the_wire():
     from drafter_service import wire as dwire
-    from drafter_service.engine import DraftResult
-    from presto_sd.scores import DraftMarginals
+    from presto_sd.engine.drafter import DraftResult
+    from presto_sd.method.scores import DraftMarginals
 
     tree = TokenTree.from_lists([5, 6, 7], [-1, 0, 0])
     marginals = DraftMarginals(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), torch.zeros(1))

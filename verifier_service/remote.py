@@ -1,6 +1,6 @@
 """``RemoteVerifier``: the ``Verifier`` interface over gRPC, so the loop runs unchanged.
 
-Status codes come back as the named errors of ``presto_sd.messages``; a server that is
+Status codes come back as the named errors of ``presto_sd.engine.messages``; a server that is
 away or too slow raises ``VerifierUnavailableError`` (the loop then waits and re-prefills).
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from presto_sd.acceptance import SamplingParams
-from presto_sd.cost_model import CostFit
-from presto_sd.messages import EngineError, SessionNotFoundError, VerifierUnavailableError
+from presto_sd.engine.messages import EngineError, SessionNotFoundError, VerifierUnavailableError
+from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.cost_model import CostFit
+from presto_sd.method.tree import TokenTree
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.errors import RemoteError
 from presto_sd.rpc.wire import sampling_to_pb, session_ref_to_pb
-from presto_sd.tree import TokenTree
 from verifier_service import wire
-from verifier_service.engine import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
 
 
 class RemoteVerifier(Verifier):

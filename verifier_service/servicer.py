@@ -9,12 +9,12 @@ import grpc
 import torch
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from presto_sd.acceptance import SamplingParams
-from presto_sd.messages import EngineError
+from presto_sd.engine.messages import EngineError
+from presto_sd.engine.verifier import VerifierLimits, VerifyCall
+from presto_sd.method.acceptance import SamplingParams
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import sampling_from_pb, session_id_from, session_ref_from_pb, tree_from_pb
 from verifier_service import wire
-from verifier_service.engine import VerifierLimits, VerifyCall
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 add_to_server = verifier_pb2_grpc.add_VerifierServiceServicer_to_server
@@ -61,15 +61,15 @@ def load_verifier(
 ):
     """The target as an ``HFVerifier`` emitting the features the drafter was trained on,
     its cost model calibrated (a few seconds of forwards, before the server is SERVING)."""
-    from drafter_service.dflash_model import DFlashConfig
-    from presto_sd.models import (
+    from presto_sd.embedded.hf_verifier import HFVerifier
+    from presto_sd.models.dflash import DFlashConfig
+    from presto_sd.models.loading import (
         eos_token_ids,
         load_target,
         random_drafter_config,
         read_json,
         resolve_drafter,
     )
-    from verifier_service.hf_verifier import HFVerifier
 
     model, tok = load_target(target, dtype=dtype)
     spec = resolve_drafter(drafter, target)

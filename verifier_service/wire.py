@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from presto_pb.v1 import verifier_pb2 as pb
-from presto_sd.messages import EngineError, UnavailableError
+from presto_sd.engine.messages import EngineError, UnavailableError
+from presto_sd.engine.verifier import (
+    PrefillResult,
+    VerifierInfo,
+    VerifierLimits,
+    VerifyCall,
+    VerifyResult,
+)
+from presto_sd.method.tree import TreeLimits
 from presto_sd.rpc.errors import error_from_status, status_of
 from presto_sd.rpc.wire import (
     cost_from_pb,
@@ -18,14 +26,6 @@ from presto_sd.rpc.wire import (
     tensor_to_pb,
     tree_from_pb,
     tree_to_pb,
-)
-from presto_sd.tree import TreeLimits
-from verifier_service.engine import (
-    PrefillResult,
-    VerifierInfo,
-    VerifierLimits,
-    VerifyCall,
-    VerifyResult,
 )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from presto_sd.messages import UnavailableError
+from presto_sd.engine.messages import UnavailableError
 from presto_sd.rpc.errors import error_from_rpc
 from presto_sd.rpc.server import message_options
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import grpc
 
-from presto_sd.messages import (
+from presto_sd.engine.messages import (
     EngineError,
     InvalidArgumentError,
     LimitExceededError,
@@ -24,7 +24,7 @@ from presto_sd.messages import (
     UnauthenticatedError,
     UnavailableError,
 )
-from presto_sd.tree import TreeError, TreeLimitError
+from presto_sd.method.tree import TreeError, TreeLimitError
 
 
 class DeadlineExpiredError(EngineError):

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from presto_sd.messages import UnauthenticatedError, UnavailableError
+from presto_sd.engine.messages import UnauthenticatedError, UnavailableError
 from presto_sd.rpc.errors import DeadlineExpiredError, status_of
 
 log = logging.getLogger("presto_sd.rpc")

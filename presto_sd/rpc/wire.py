@@ -13,12 +13,12 @@ from dataclasses import fields
 import torch
 
 from presto_pb.v1 import common_pb2 as pb
-from presto_sd.acceptance import SamplingParams
-from presto_sd.acceptance_calibration import AcceptanceCalibration
-from presto_sd.builders import TreeParams
-from presto_sd.cost_model import CostFit
-from presto_sd.messages import FeatureDelta, InvalidArgumentError
-from presto_sd.tree import TokenTree
+from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.acceptance_calibration import AcceptanceCalibration
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.cost_model import CostFit
+from presto_sd.method.tree import TokenTree
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

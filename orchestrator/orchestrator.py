@@ -1,0 +1,249 @@
+"""The orchestrator: many concurrent requests over drafter and verifier replicas.
+
+Each request runs the ordinary generation loop (``stream_generate``: the same rounds,
+stop handling and fault links as embedded mode) on its own thread, over engines routed to
+the replicas that hold its sessions (``routing.py``). Threads block in Ray calls with
+the GIL released, so while one request waits for its verify batch another drafts: rounds
+of different requests overlap on the drafter and verifier actors, and the verify calls
+queued on a replica while it is busy go out together as one ``verify_batch``.
+
+The output of every request is exactly its embedded output (greedy: the target's AR
+output), because each round is the same engine calls on the same session state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import ray
+
+from orchestrator.actors import EngineStats, ReplicaSpec, start_actor
+from orchestrator.metrics import Metrics
+from orchestrator.routing import (
+    Replica,
+    ReplicaPool,
+    Route,
+    RoutedDrafter,
+    RoutedVerifier,
+    Timeouts,
+    VerifyBatcher,
+)
+from presto_sd.engine.messages import EngineError, LimitExceededError
+from presto_sd.loop.generate import GenerationParams, TokenChunk, stream_generate
+
+_END = object()  # the stream's end marker, after the last chunk or the error
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    prompt_ids: tuple[int, ...]
+    params: GenerationParams
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class ChunkStats:
+    accepted: int  # draft tokens accepted this round (tau counts these + 1)
+    tree_size: int  # draft nodes verified, root excluded
+    draft_s: float  # drafter engine time in the round (draft + commit)
+    verify_s: float  # verifier engine time of the batch the round was in
+    queue_s: float  # waiting for the verifier replica to be free
+    transfer_s: float  # the rest of the round's wall time: Ray / gRPC transport, routing
+    fallback: bool = False  # a plain AR step: the drafter could not give a tree
+    gated: bool = False  # a plain AR step: taps's draft gate was shut
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    tokens: tuple[int, ...]
+    text: str  # the text these tokens add ("" without a tokenizer)
+    stats: ChunkStats | None  # None for the prefill's first token
+    finish_reason: str | None = None  # on the last chunk: "eos" | "stop" | "length"
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    max_requests: int = 256  # concurrent requests; one more is RESOURCE_EXHAUSTED
+    max_batch: int = 16  # trees per verify_batch
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1 or self.max_batch < 1:
+            raise ValueError("max_requests and max_batch must be >= 1")
+
+
+class RequestStream:
+    """One request on its own thread; chunks (then an error or the end) go to ``sink``."""
+
+    def __init__(self, orch: Orchestrator, job: GenerateJob, sink: Callable[[object], None]) -> None:
+        self.job, self.sink, self.orch = job, sink, orch
+        self.route = Route(job.request_id)
+        self.drafter = RoutedDrafter(orch.drafters, self.route, orch.metrics)
+        self.verifier = RoutedVerifier(orch.verifiers, self.route, orch.metrics, orch.batchers)
+        self.tokens: list[int] = []  # committed output so far
+        self._text = ""
+        self._cancelled = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"request-{job.request_id[:8]}")
+
+    def cancel(self) -> None:
+        """Stop after the round in flight; both sessions are closed."""
+        self._cancelled.set()
+
+    def _run(self) -> None:
+        job, method = self.job, self.job.params.method
+        finish = "cancelled"
+        stream = stream_generate(self.verifier, self.drafter if method != "ar" else None,
+                                 list(job.prompt_ids), job.params, self.orch.detokenize, job.request_id)
+        try:
+            t0 = time.perf_counter()
+            for chunk in stream:
+                now = time.perf_counter()
+                self.sink(self._chunk(chunk, now - t0))
+                t0 = now
+                finish = chunk.finish_reason or finish
+                if self._cancelled.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, as the loop raised it
+            finish = f"error:{e.code}" if isinstance(e, EngineError) else "error:INTERNAL"
+            self.sink(e)
+        finally:
+            stream.close()  # a loop stopped early closes both sessions in its finally
+            self.orch._finished(self, finish)
+            self.sink(_END)
+
+    def _chunk(self, chunk: TokenChunk, wall_s: float) -> StreamChunk:
+        self.tokens.extend(chunk.tokens)
+        text = ""
+        if self.orch.detokenize is not None:
+            full = self.orch.detokenize(self.tokens)
+            if not full.endswith("\ufffd") and full.startswith(self._text):  # whole characters only
+                text, self._text = full[len(self._text):], full
+        draft_s, verify_s, queue_s = self.route.take_times()
+        method = self.job.params.method
+        if chunk.round is None:
+            self.orch.metrics.first_token(method)
+            return StreamChunk(chunk.tokens, text, None, chunk.finish_reason)
+        r = chunk.round
+        stats = ChunkStats(r.accepted, r.tree_size, draft_s, verify_s, queue_s,
+                           max(0.0, wall_s - draft_s - verify_s - queue_s), r.fallback, r.gated)
+        phases = {"draft": draft_s, "verify": verify_s, "queue": queue_s, "transfer": stats.transfer_s}
+        self.orch.metrics.round(method, len(chunk.tokens), r.accepted, r.tree_size, phases, r.fallback,
+                                r.gated)
+        return StreamChunk(chunk.tokens, text, stats, chunk.finish_reason)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        drafters: Sequence[Replica],
+        verifiers: Sequence[Replica],
+        config: OrchestratorConfig = OrchestratorConfig(),
+        metrics: Metrics | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.config, self.detokenize = config, detokenize
+        self.metrics = metrics or Metrics()
+        self.drafters, self.verifiers = ReplicaPool(drafters), ReplicaPool(verifiers)
+        self.batchers = {r: VerifyBatcher(r, config.max_batch, self._on_batch) for r in verifiers}
+        self.requests: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(
+        cls,
+        drafters: Sequence[ReplicaSpec],
+        verifiers: Sequence[ReplicaSpec],
+        config: OrchestratorConfig = OrchestratorConfig(),
+        metrics: Metrics | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> Orchestrator:
+        """Start one actor per spec (on the connected Ray) and wait until every engine is up."""
+        metrics = metrics or Metrics()
+        replicas = [Replica(s, start_actor(s), config.timeouts, metrics) for s in (*drafters, *verifiers)]
+        ray.get([r.actor.stats.remote() for r in replicas])  # the engines have loaded
+        drafter_replicas = [r for r in replicas if r.kind == "drafter"]
+        verifier_replicas = [r for r in replicas if r.kind == "verifier"]
+        return cls(drafter_replicas, verifier_replicas, config, metrics, detokenize)
+
+    # -- requests -----------------------------------------------------------------------
+    def submit(self, job: GenerateJob, sink: Callable[[object], None]) -> RequestStream:
+        with self._lock:
+            if len(self.requests) >= self.config.max_requests:
+                raise LimitExceededError(f"orchestrator: {self.config.max_requests} requests running (max)")
+            if job.request_id in self.requests:
+                raise LimitExceededError(f"request {job.request_id!r} is already running")
+            stream = RequestStream(self, job, sink)
+            self.requests[job.request_id] = stream
+            self.metrics.active(len(self.requests))
+        stream.thread.start()
+        return stream
+
+    def _finished(self, stream: RequestStream, finish: str) -> None:
+        with self._lock:
+            self.requests.pop(stream.job.request_id, None)
+            self.metrics.active(len(self.requests))
+        self.metrics.finished(stream.job.params.method, finish)
+        if finish.startswith("error:"):
+            self.metrics.error("request", finish.removeprefix("error:"))
+
+    def stream(self, job: GenerateJob) -> Iterator[StreamChunk]:
+        """The request's chunks; closing the iterator early cancels the request."""
+        q: queue.Queue = queue.Queue()
+        req = self.submit(job, q.put)
+        try:
+            while (item := q.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            req.cancel()
+
+    async def astream(self, job: GenerateJob) -> AsyncIterator[StreamChunk]:
+        """``stream`` for an event loop (the gRPC servicer): cancelling the task cancels the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is gone (server stopped): nobody is listening
+                pass
+
+        req = self.submit(job, sink)
+        try:
+            while (item := await q.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            req.cancel()
+
+    # -- operations ---------------------------------------------------------------------
+    def _on_batch(self, replica: Replica, size: int, busy_s: float) -> None:
+        self.metrics.batch(replica.name, size, busy_s)
+
+    def engine_stats(self) -> dict[str, EngineStats]:
+        """Per replica (``"drafter/<name>"``, ``"verifier/<name>"``): busy seconds, calls, sessions."""
+        replicas = [*self.drafters.replicas, *self.verifiers.replicas]
+        stats = ray.get([r.actor.stats.remote() for r in replicas])
+        return {f"{r.kind}/{r.name}": s for r, s in zip(replicas, stats)}
+
+    def close_idle(self, ttl_s: float) -> list[str]:
+        """Nothing to reap: a request closes its own sessions however it ends (the engines
+        reap sessions of a crashed orchestrator themselves)."""
+        return []
+
+    def shutdown(self, kill_actors: bool = True) -> None:
+        for stream in list(self.requests.values()):
+            stream.cancel()
+        for b in self.batchers.values():
+            b.stop()
+        if kill_actors:
+            for r in [*self.drafters.replicas, *self.verifiers.replicas]:
+                ray.kill(r.actor)

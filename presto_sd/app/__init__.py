@@ -1,0 +1,1 @@
+"""The app: the presto-sd command line, bench and training."""

@@ -1,0 +1,111 @@
+"""The methods a bench can run, looked up by name.
+
+A method is a function ``(ctx, prompt_ids, params) -> GenerationResult``: it decodes one
+prompt with ``params`` (max_new_tokens, sampling, stop ids, and ``params.tree`` holding
+the job's budget) and reports tokens, per-round stats and wall times. Register a new one
+(TAPS, self-speculative, ...) with ``@register_method("name", budgeted=...)``; a budgeted
+method runs once per ``--budgets`` value, an unbudgeted one once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from presto_sd.engine.drafter import Drafter
+from presto_sd.engine.verifier import Verifier
+from presto_sd.loop.generate import GenerationParams, GenerationResult, generate
+from presto_sd.method.builders import METHODS as TREE_METHODS
+
+
+@dataclass
+class BenchContext:
+    verifier: Verifier
+    drafter: Drafter | None
+    lookup_tokens: int = 10  # hf-prompt-lookup: prompt_lookup_num_tokens
+
+
+MethodFn = Callable[[BenchContext, list[int], GenerationParams], GenerationResult]
+
+
+@dataclass(frozen=True)
+class BenchMethod:
+    name: str
+    run: MethodFn
+    budgeted: bool  # swept over the budgets; else run once, budget recorded as None
+    needs_drafter: bool
+    describe: Callable[[BenchContext, GenerationParams], dict[str, Any]] = lambda ctx, p: {}
+
+
+REGISTRY: dict[str, BenchMethod] = {}
+
+
+def register_method(
+    name: str, *, budgeted: bool, needs_drafter: bool = False,
+    describe: Callable[[BenchContext, GenerationParams], dict[str, Any]] | None = None,
+) -> Callable[[MethodFn], MethodFn]:
+    def deco(fn: MethodFn) -> MethodFn:
+        REGISTRY[name] = BenchMethod(name, fn, budgeted, needs_drafter, describe or (lambda c, p: {}))
+        return fn
+
+    return deco
+
+
+def get_method(name: str) -> BenchMethod:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown bench method {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+@register_method("ar", budgeted=False)
+def run_ar(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
+    """Plain AR decoding by the same verifier engine: the baseline."""
+    return generate(ctx.verifier, None, prompt_ids, replace(params, method="ar"))
+
+
+def _tree_method(name: str) -> MethodFn:
+    def run(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
+        return generate(ctx.verifier, ctx.drafter, prompt_ids, replace(params, method=name))
+
+    run.__name__ = f"run_{name.replace('-', '_')}"
+    return run
+
+
+def _tree_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
+    t = params.tree
+    return {"depth": t.depth, "top_k": t.top_k}
+
+
+def _presto_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
+    t = params.tree
+    return {**_tree_describe(ctx, params), "rho": t.rho, "lambdas": list(t.lambdas)}
+
+
+def _taps_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
+    t = params.tree
+    return {**_tree_describe(ctx, params), "rho": t.rho, "cap": t.budget}
+
+
+def _beam_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
+    t = params.tree
+    return {**_presto_describe(ctx, params), "branching": t.branching, "beam": t.beam}
+
+
+_DESCRIBE = {
+    "linear": _tree_describe,
+    "marginal": _tree_describe,
+    "presto-beam": _beam_describe,
+    "presto-best-first": _presto_describe,
+    "taps": _taps_describe,
+}
+# not swept over --budgets: linear drafts the whole block (its size is the depth) and taps
+# picks its own budget every round, up to --taps-cap
+UNBUDGETED = ("linear", "taps")
+
+for _name in TREE_METHODS:
+    register_method(_name, budgeted=_name not in UNBUDGETED, needs_drafter=True,
+                    describe=_DESCRIBE.get(_name))(_tree_method(_name))
+
+# the transformers peer registers itself on import
+from presto_sd.app.bench import hf_lookup  # noqa: E402, F401

@@ -1,0 +1,84 @@
+"""``presto-sd train ...``: data generation, drafter and acceptance-predictor training."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from presto_sd.models.cache import cache_dir
+
+DEFAULT_DATA = "data/smollm2-sharegpt"
+
+
+def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per config field, typed from its default (tuples as comma lists)."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            p.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
+        elif isinstance(default, tuple):
+            p.add_argument(flag, default=",".join(map(str, default)),
+                           help="comma-separated (default: %(default)s)")
+        else:
+            kind = type(default) if default is not None else str
+            p.add_argument(flag, type=kind, default=default, help="(default: %(default)s)")
+
+
+def _to_config(cls, args: argparse.Namespace, **fixed):
+    kwargs = dict(fixed)
+    for f in fields(cls):
+        if f.name in kwargs or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if isinstance(f.default, tuple) and isinstance(value, str):
+            value = tuple(int(x) for x in value.split(",") if x)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from presto_sd.app.training.gen_data import GenDataConfig
+    from presto_sd.app.training.train_drafter import TrainConfig
+
+    train = sub.add_parser("train", help="train a drafter and acceptance predictors for a target")
+    tsub = train.add_subparsers(dest="train_command", required=True)
+
+    gen = tsub.add_parser("gen-data", help="the target's own responses to ShareGPT training prompts, "
+                          "with its features, written in resumable shards")
+    _add_dataclass_args(gen, GenDataConfig, skip=("out",))
+    gen.add_argument("--out", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
+
+    dr = tsub.add_parser("drafter", help="train a DFlash drafter on gen-data shards (resumable)")
+    _add_dataclass_args(dr, TrainConfig, skip=("data", "out"))
+    dr.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
+    dr.add_argument("--out", default="runs/drafter", help="(default: %(default)s)")
+
+    from presto_sd.app.training.acceptance import AcceptanceConfig
+
+    acc = tsub.add_parser("acceptance", help="verification traces -> h_phi, n-gram table, lambda_d, "
+                          "calibration report; written into the drafter dir")
+    _add_dataclass_args(acc, AcceptanceConfig, skip=("drafter", "data"))
+    acc.add_argument("--drafter", required=True, help="the drafter dir to equip")
+    acc.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="gen-data shards (n-gram table)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.train_command == "gen-data":
+        from presto_sd.app.training.gen_data import GenDataConfig, generate_training_data
+
+        print(generate_training_data(_to_config(GenDataConfig, args)))
+    elif args.train_command == "drafter":
+        from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
+
+        print(train_drafter(_to_config(TrainConfig, args)))
+    elif args.train_command == "acceptance":
+        import json
+
+        from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
+
+        report = train_acceptance(_to_config(AcceptanceConfig, args))
+        print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    return 0

@@ -1,0 +1,183 @@
+"""The drafter's training prompts: every ShareGPT assistant turn, plus synthesised code and
+arithmetic prompts for the domains ShareGPT covers thinly.
+
+Nothing here reads a benchmark. The code prompts come from the signatures and docstrings
+of the Python standard library (the interpreter's own files); the word problems from
+templates filled by a seeded generator. Every list is a pure function of its arguments,
+so a data job that restarts rebuilds exactly the same items in the same order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+from presto_sd.app.datasets import load_sharegpt_conversations
+
+SOURCES = ("sharegpt", "code", "arith")
+
+
+@dataclass(frozen=True)
+class TrainingItem:
+    """One prompt to answer: chat ``messages`` ending with a user turn."""
+
+    id: str
+    source: str
+    messages: tuple[dict[str, str], ...]
+
+
+def sharegpt_turn_items(split: str = "train") -> list[TrainingItem]:
+    """One item per assistant turn of every ShareGPT conversation of ``split``.
+
+    The prompt is the conversation up to that turn's user message, with the earlier
+    assistant turns as ShareGPT has them; the target writes the answer itself.
+    """
+    out = []
+    for conv in load_sharegpt_conversations(split):
+        history: list[dict[str, str]] = []
+        for k, (role, text) in enumerate(conv.turns):
+            if role == "assistant" and history and history[-1]["role"] == "user":
+                out.append(TrainingItem(f"{conv.id}/{k}", "sharegpt", tuple(history)))
+            history.append({"role": role, "content": text})
+    return out
+
+
+# Modules that open windows, print on import, or take long to import.
+_SKIP_MODULES = frozenset({
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "pydoc_data",
+    "lib2to3", "ensurepip", "venv", "test", "xxsubtype", "__hello__", "__phello__",
+})
+
+_CODE_TEMPLATES = (
+    "Write a Python function `{name}{sig}` that does the following: {doc}",
+    "Complete the following Python function:\n```python\ndef {name}{sig}:\n    \"\"\"{doc}\"\"\"\n```",
+    "Explain what the Python function `{qual}{sig}` does and give a short usage example.",
+    "Implement `{name}{sig}` in Python without using the `{module}` module. "
+    "Its documentation says: {doc}",
+    "Write unit tests with pytest for `{qual}{sig}`, whose documentation says: {doc}",
+)
+
+
+def stdlib_functions() -> list[tuple[str, str, str, str]]:
+    """``(module, name, signature, first docstring paragraph)`` of public stdlib functions.
+
+    Importing every stdlib module has side effects (signal handlers, terminal state), so the
+    walk runs in a child interpreter.
+    """
+    proc = subprocess.run([sys.executable, "-c", "import json, presto_sd.app.training.corpus as c; "
+                           "print(json.dumps(c._walk_stdlib()))"], capture_output=True, text=True, check=True)
+    return [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _walk_stdlib() -> list[tuple[str, str, str, str]]:
+    found = []
+    names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in _SKIP_MODULES)
+    for modname in names:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(modname)
+        except Exception:  # platform-specific or optional modules
+            continue
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != modname:
+                continue
+            doc = inspect.getdoc(obj) or ""
+            first = doc.split("\n\n")[0].replace("\n", " ").strip()
+            if len(first) < 20:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            found.append((modname, name, sig, first[:400]))
+    return found
+
+
+def code_items(n: int, seed: int = 0) -> list[TrainingItem]:
+    """``n`` programming prompts about stdlib functions, templates chosen by ``seed``."""
+    funcs = stdlib_functions()
+    if not funcs or n <= 0:
+        return []
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        module, name, sig, doc = funcs[i % len(funcs)]
+        template = _CODE_TEMPLATES[rng.randrange(len(_CODE_TEMPLATES))]
+        text = template.format(name=name, sig=sig, doc=doc, module=module, qual=f"{module}.{name}")
+        out.append(TrainingItem(f"code/{i}", "code", ({"role": "user", "content": text},)))
+    return out
+
+
+_NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivan", "Jia", "Kofi", "Lena",
+          "Mateo", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tomas", "Uma", "Vik", "Wen", "Yara")
+_ITEMS = ("apples", "stickers", "marbles", "books", "cookies", "pencils", "stamps", "shells",
+          "cupcakes", "postcards", "tickets", "bottles of juice", "bags of rice", "toy cars")
+_PLACES = ("market", "school fair", "bakery", "bookshop", "garage sale", "farm stand")
+
+
+def _word_problem(rng: random.Random) -> str:
+    who, other = rng.sample(_NAMES, 2)
+    item, place = rng.choice(_ITEMS), rng.choice(_PLACES)
+    a, b, c, d = (rng.randint(2, 60) for _ in range(4))
+    price, pct = rng.randint(2, 25), rng.choice((10, 20, 25, 40, 50, 75))
+    hours, rate = rng.randint(2, 12), rng.randint(8, 40)
+    kind = rng.randrange(8)
+    if kind == 0:
+        return (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
+                f"{d} {item} to {other}. How many {item} does {who} have now?")
+    if kind == 1:
+        return (f"At the {place}, {item} cost ${price} each. {who} buys {a} of them and pays with a "
+                f"${(a * price // 50 + 1) * 50} bill. How much change does {who} get?")
+    if kind == 2:
+        return (f"{who} earns ${rate} an hour and works {hours} hours a day for {c % 6 + 2} days. "
+                f"{who} spends {pct}% of the money on rent. How much money is left?")
+    if kind == 3:
+        return (f"{who} reads {a} pages on Monday, twice as many on Tuesday, and {d} fewer than on "
+                f"Tuesday on Wednesday. How many pages did {who} read in the three days?")
+    if kind == 4:
+        return (f"A {place} sold {a * 10} {item} last week. This week it sold {pct}% more. "
+                f"How many {item} did it sell over the two weeks?")
+    if kind == 5:
+        return (f"{who} and {other} share {a * b} {item} in the ratio {c % 5 + 1}:{d % 5 + 1}. "
+                f"How many {item} does each of them get?")
+    if kind == 6:
+        return (f"A train travels at {rate * 3} km per hour for {hours} hours, then at {rate * 2} km "
+                f"per hour for {c % 5 + 1} more hours. What is the total distance it travels?")
+    return (f"{who} is {a} years old. {other} is {b % 9 + 2} years older than {who}. In {c % 10 + 1} "
+            f"years, what will the sum of their ages be?")
+
+
+_ARITH_SUFFIXES = ("", " Explain your reasoning step by step.", " Show your work.",
+                   " Give the final answer at the end.")
+
+
+def arithmetic_items(n: int, seed: int = 0) -> list[TrainingItem]:
+    """``n`` templated arithmetic word problems (a seeded generator; no benchmark text)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = _word_problem(rng) + rng.choice(_ARITH_SUFFIXES)
+        out.append(TrainingItem(f"arith/{i}", "arith", ({"role": "user", "content": text},)))
+    return out
+
+
+def build_corpus(sources: tuple[str, ...], n_code: int, n_arith: int, seed: int = 0) -> list[TrainingItem]:
+    """Every item of the named sources, in a fixed order (shuffling is the data job's)."""
+    unknown = set(sources) - set(SOURCES)
+    if unknown:
+        raise ValueError(f"unknown corpus sources {sorted(unknown)}; known: {', '.join(SOURCES)}")
+    items: list[TrainingItem] = []
+    if "sharegpt" in sources:
+        items += sharegpt_turn_items("train")
+    if "code" in sources:
+        items += code_items(n_code, seed)
+    if "arith" in sources:
+        items += arithmetic_items(n_arith, seed)
+    return items

@@ -1,0 +1,1 @@
+"""The in-process engines (DFlashDrafter, HFVerifier) and the embedded stack."""

@@ -1,0 +1,361 @@
+"""``HFVerifier``: the target as any transformers causal LM, verifying trees in one forward.
+
+Tree attention uses transformers' custom 4-D additive masks: a node sees the committed
+prefix and its own ancestors, at position ``base + depth``. After the walk the KV cache
+keeps exactly the accepted path (gather, drop the rest), which equals the KV that AR
+decoding of the same tokens produces (tests hold this).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from presto_sd.embedded.cost_calibration import calibrate_verify_cost
+from presto_sd.embedded.packing import (
+    KV,
+    LAYOUTS,
+    ForwardCost,
+    append_kv,
+    gather_cache,
+    node_kv,
+    plan_batches,
+)
+from presto_sd.engine.messages import (
+    EngineError,
+    FeatureDelta,
+    InvalidArgumentError,
+    LimitExceededError,
+    check_base,
+)
+from presto_sd.engine.sessions import SessionTable
+from presto_sd.engine.verifier import (
+    PrefillResult,
+    Verifier,
+    VerifierInfo,
+    VerifierLimits,
+    VerifyCall,
+    VerifyResult,
+)
+from presto_sd.method.acceptance import (
+    SamplingParams,
+    WalkResult,
+    node_token_probs,
+    sample_token,
+    walk_tree,
+)
+from presto_sd.method.cost_model import CostFit, OnlineCostModel
+from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
+from presto_sd.models.loading import cache_kwarg
+
+
+@dataclass
+class _Session:
+    cache: DynamicCache
+    tokens: list[int]  # committed tokens; the last one is the pending anchor
+    sampling: SamplingParams
+    generator: torch.Generator
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def base(self) -> int:
+        return len(self.tokens) - 1
+
+
+class HFVerifier(Verifier):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        target_layer_ids: tuple[int, ...] | list[int],
+        limits: VerifierLimits = VerifierLimits(),
+        eos_token_ids: tuple[int, ...] = (),
+        name: str = "",
+        batch_layout: str = "auto",  # verify_batch: auto | packed | padded (presto_sd.embedded.packing)
+    ) -> None:
+        if batch_layout not in LAYOUTS:
+            raise ValueError(f"batch_layout {batch_layout!r}: not one of {LAYOUTS}")
+        self.model = model.eval()
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        n_layers = model.config.num_hidden_layers
+        if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
+            raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
+        self.target_layer_ids = tuple(int(i) for i in target_layer_ids)
+        self.vocab_size = model.config.vocab_size
+        self.limits = VerifierLimits(
+            max_sessions=limits.max_sessions,
+            max_context=_max_context(model.config, limits.max_context),
+            tree=type(limits.tree)(
+                limits.tree.max_nodes, limits.tree.max_depth, self.vocab_size
+            ),
+        )
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.name = name or model.config.name_or_path
+        self._cache_kwarg = cache_kwarg(self.decoder)
+        self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
+        # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
+        self.forward_costs = OnlineCostModel()
+        self.batch_layout, self._flops = batch_layout, ForwardCost.of(model)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def info(self) -> VerifierInfo:
+        return VerifierInfo(
+            model=self.name,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device=str(self.device),
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            target_layer_ids=self.target_layer_ids,
+            limits=self.limits,
+            cost=self.forward_costs.fit,
+        )
+
+    def calibrate_cost(self) -> CostFit:
+        """Time forwards over tree sizes and contexts; later forwards refine the fit."""
+        fit = calibrate_verify_cost(self)
+        self.forward_costs = OnlineCostModel(prior=fit)
+        return fit
+
+    # -- sessions -----------------------------------------------------------------------
+    def anchor(self, session_id: str) -> int:
+        return self.sessions.touch(session_id).tokens[-1]
+
+    def close(self, session_id: str) -> None:
+        self.sessions.close(session_id)
+
+    def close_idle(self, ttl_s: float) -> list[str]:
+        return self.sessions.close_idle(ttl_s)
+
+    # -- the forward --------------------------------------------------------------------
+    def _forward(
+        self, cache: DynamicCache, input_ids: list[int], positions: torch.Tensor, mask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: final hidden states [T, H] and target-layer features [T, F]."""
+        hidden, feats = self._forward_rows(cache, torch.tensor([input_ids]), positions[None], mask)
+        return hidden[0], feats[0]
+
+    def _forward_rows(
+        self, cache: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor, mask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, T]: final hidden states [R, T, H] and target-layer features [R, T, F]."""
+        out = self.decoder(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask,
+            use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_kwarg: cache},
+        )
+        feats = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        return out.last_hidden_state, feats
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+    ) -> PrefillResult:
+        if not token_ids:
+            raise InvalidArgumentError("prefill.token_ids: empty prompt")
+        bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
+                    if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"prefill.token_ids: token {bad} out of range [0, {self.vocab_size})")
+        if len(token_ids) + 1 > self.limits.max_context:
+            raise LimitExceededError(
+                f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
+            )
+        self.sessions.check_room(session_id)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        # plain dynamic layers: sliding-window layers would drop entries the tree mask indexes
+        cache = DynamicCache()
+        positions = torch.arange(len(token_ids))
+        hidden, feats = self._forward(cache, token_ids, positions, None)
+        if anchor is None:
+            anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
+        session = _Session(cache, [*token_ids, anchor], sampling, generator)
+        self.sessions.open(session_id, session)
+        delta = FeatureDelta(0, tuple(token_ids), feats)
+        return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
+
+    @torch.inference_mode()
+    def verify(
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+    ) -> VerifyResult:
+        s = self._check(session_id, base, tree)
+        return self._verify_in_place(s, base, tree, want_node_probs)
+
+    @torch.inference_mode()
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
+        """Every valid call's tree in ONE target forward (``packing``: packed or padded rows).
+
+        Each call is checked as ``verify`` checks it, and a session named twice is refused
+        the second time (INVALID_ARGUMENT); a refused call gets its error in its slot and
+        stays out of the forward, its session untouched. The forward runs on a temporary
+        cache gathered from the sessions' caches; each session then walks its own nodes
+        with its own generator (so draws are those of sequential ``verify``) and appends
+        the accepted path's KV. A failure anywhere leaves every session at its base.
+        """
+        out: list[VerifyResult | EngineError | None] = [None] * len(calls)
+        todo: list[tuple[int, _Session]] = []
+        seen: set[str] = set()
+        for j, c in enumerate(calls):
+            try:
+                if c.session_id in seen:
+                    raise InvalidArgumentError(
+                        f"verify_batch.calls[{j}]: session {c.session_id!r} is already in this batch"
+                    )
+                seen.add(c.session_id)
+                todo.append((j, self._check(c.session_id, c.base, c.tree)))
+            except EngineError as e:
+                out[j] = e
+        if len(todo) == 1:  # nothing to batch: the session's own cache, no gather
+            (j, s), = todo
+            out[j] = self._verify_in_place(s, calls[j].base, calls[j].tree, calls[j].want_node_probs)
+        elif todo:
+            results = self._verify_together([(s, calls[j]) for j, s in todo])
+            for (j, _), r in zip(todo, results):
+                out[j] = r
+        return out
+
+    # -- verification steps, shared by verify and verify_batch ----------------------------
+    def _check(self, session_id: str, base: int, tree: TokenTree) -> _Session:
+        """The session, if the call may run on it; the named error otherwise."""
+        s = self.sessions.touch(session_id)
+        check_base(session_id, s.base, base)
+        try:
+            tree.validate(self.limits.tree)
+        except TreeLimitError as e:
+            raise LimitExceededError(str(e)) from None
+        except TreeError as e:
+            raise InvalidArgumentError(str(e)) from None
+        if tree.tokens[0] != s.tokens[-1]:
+            raise InvalidArgumentError(
+                f"tree.tokens[0] = {tree.tokens[0]}: the root must be the session's anchor "
+                f"{s.tokens[-1]}"
+            )
+        if base + tree.max_depth + 2 > self.limits.max_context:
+            raise LimitExceededError(
+                f"verify: context {base + tree.max_depth + 1} would exceed max_context "
+                f"{self.limits.max_context}"
+            )
+        return s
+
+    def _verify_in_place(
+        self, s: _Session, base: int, tree: TokenTree, want_node_probs: bool
+    ) -> VerifyResult:
+        """The forward on the session's own cache, the walk, then keep the accepted path.
+
+        Only these single-tree verifications refine the cost model (TAPS's ``c(B)`` is per
+        tree), timed over the same span as the calibration's: the whole verification.
+        """
+        t0 = time.perf_counter()
+        mask = None
+        if len(tree.tokens) > 1:
+            mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
+        rng = s.generator.get_state()
+        try:
+            hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
+            walk, node_probs = self._walk(s, tree, hidden, want_node_probs)
+        except BaseException:
+            _rollback(s, base, rng)  # never half-applied
+            raise
+        keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
+        _compact_cache(s.cache, keep)
+        result = self._commit(s, base, tree, walk, feats, node_probs)
+        if self.forward_costs.prior is not None:  # refine the calibrated fit, never replace it
+            self.forward_costs.observe(len(tree.tokens), base, time.perf_counter() - t0)
+        return result
+
+    def _verify_together(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
+        """Checked calls on distinct sessions: forward(s) and walks first, commits after."""
+        trees, bases = [c.tree for _, c in items], [c.base for _, c in items]
+        rngs = [s.generator.get_state() for s, _ in items]
+        walked: list[tuple[WalkResult, torch.Tensor | None, torch.Tensor, KV]] = []
+        try:
+            for group, batch in plan_batches(trees, bases, self._flops, self.batch_layout):
+                cache = gather_cache([items[i][0].cache for i in group], batch)
+                mask = batch.attention_mask(self.model.dtype).to(self.device)
+                hidden, feats = self._forward_rows(cache, batch.input_ids(), batch.position_ids(), mask)
+                for k, i in enumerate(group):
+                    (s, c), (r, _, q) = items[i], batch.slot(k)
+                    nodes = slice(q, q + len(c.tree.tokens))
+                    walk, node_probs = self._walk(s, c.tree, hidden[r, nodes], c.want_node_probs)
+                    walked.append((walk, node_probs, feats[r, nodes], node_kv(cache, batch, k, walk.path)))
+            results = []
+            for (s, c), (walk, node_probs, f, kv) in zip(items, walked):
+                append_kv(s.cache, kv)
+                results.append(self._commit(s, c.base, c.tree, walk, f, node_probs))
+        except BaseException:
+            for (s, c), rng in zip(items, rngs):
+                _rollback(s, c.base, rng)
+            raise
+        return results
+
+    def _walk(
+        self, s: _Session, tree: TokenTree, hidden: torch.Tensor, want_node_probs: bool
+    ) -> tuple[WalkResult, torch.Tensor | None]:
+        """Sample-and-match over the tree's hidden states [N, H], with the session's generator."""
+        if want_node_probs:  # traces need every node's parent distribution
+            logits = self._logits(hidden)
+            walk = walk_tree(tree, logits, s.sampling, s.generator)
+            return walk, node_token_probs(tree, logits, s.sampling).cpu()
+        # only the walked nodes need logits: lazily, one row per step
+        return walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator), None
+
+    def _commit(
+        self, s: _Session, base: int, tree: TokenTree, walk: WalkResult, feats: torch.Tensor,
+        node_probs: torch.Tensor | None,
+    ) -> VerifyResult:
+        """Commit the accepted path and the bonus (the KV cache already holds the path)."""
+        path_tokens = [tree.tokens[i] for i in walk.path]
+        s.tokens.extend([*path_tokens[1:], walk.bonus])
+        delta = FeatureDelta(base, tuple(path_tokens), feats[torch.tensor(walk.path)].cpu())
+        return VerifyResult(
+            accepted=tuple(path_tokens[1:]),
+            bonus=walk.bonus,
+            delta=delta,
+            base=s.base,
+            node_probs=node_probs,
+            accepted_nodes=tuple(walk.path),
+        )
+
+
+def _rollback(s: _Session, base: int, rng: torch.Tensor) -> None:
+    """Back to ``base``: the KV, the committed tokens and the generator's state."""
+    _compact_cache(s.cache, torch.arange(base))
+    del s.tokens[base + 1 :]
+    s.generator.set_state(rng)
+
+
+def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:
+    """Keep only the KV positions in ``keep`` (the prefix and the accepted path)."""
+    contiguous = len(keep) == 0 or int(keep[-1]) == len(keep) - 1  # a plain truncation
+    for layer in cache.layers:
+        if contiguous:
+            layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
+        else:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+
+def _max_context(config, requested: int) -> int:
+    """Tree masks are full-attention masks: stay inside any sliding window the model has."""
+    limit = min(requested, config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return limit

@@ -1,0 +1,1 @@
+"""The engine contracts: the Drafter and Verifier interfaces, their results, errors, sessions."""

@@ -1,0 +1,62 @@
+"""The drafter engine interface: proposes a scored token tree per round.
+
+One interface, two implementations: ``DFlashDrafter`` (in-process) and the gRPC client
+(remote). The generation loop and the orchestrator only see this class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from presto_sd.engine.messages import FeatureDelta
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.scores import DraftMarginals
+from presto_sd.method.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    vocab_size: int
+    methods: tuple[str, ...]
+    rho_providers: tuple[str, ...]
+    name: str = ""
+    default_rho: str | None = None  # PRESTO settings fitted for this drafter, if shipped
+    default_lambdas: tuple[float, ...] = ()
+    max_sessions: int = 0  # 0: not stated
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    tree: TokenTree
+    marginals: DraftMarginals
+    path_scores: tuple[float, ...]
+    forward_s: float  # the drafter forward and its lm_head
+    build_s: float  # tree building + scoring
+    node_log_acceptance: tuple[float, ...] = ()  # taps: raw log a(u) per node (BuiltTree)
+
+
+class Drafter(ABC):
+    @abstractmethod
+    def info(self) -> DrafterInfo: ...
+
+    @abstractmethod
+    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
+        """Start (or restart) a session from the prompt's features (``delta.start == 0``).
+
+        Returns the session's base (``delta.end``).
+        """
+
+    @abstractmethod
+    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
+        """Marginals for the block after ``anchor`` (at position ``base``) and the tree."""
+
+    @abstractmethod
+    def commit(self, session_id: str, delta: FeatureDelta) -> int:
+        """Extend the context cache by a verified round's features; returns the new base."""
+
+    @abstractmethod
+    def close(self, session_id: str) -> None: ...

@@ -1,0 +1,132 @@
+"""The verifier engine interface: the target model side of speculative decoding.
+
+One interface, two implementations: ``HFVerifier`` (in-process, transformers) and the
+gRPC client (remote). The generation loop and the orchestrator only see this class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from presto_sd.engine.messages import EngineError, FeatureDelta
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.cost_model import CostFit
+from presto_sd.method.tree import TokenTree, TreeLimits
+
+
+@dataclass(frozen=True)
+class VerifierLimits:
+    max_sessions: int = 64
+    max_context: int = 8192  # positions, prompt + generated + tree depth
+    tree: TreeLimits = TreeLimits()
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    model: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    target_layer_ids: tuple[int, ...]
+    limits: VerifierLimits = field(default_factory=VerifierLimits)
+    cost: CostFit | None = None  # forward seconds vs tree size and context, fit online
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    anchor: int  # the first generated token (or the anchor given to prefill)
+    delta: FeatureDelta  # features of every prompt token, start = 0
+    base: int  # = len(prompt tokens)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: tuple[int, ...]  # accepted draft tokens, the root/anchor excluded
+    bonus: int  # the target's own next token: the new anchor
+    delta: FeatureDelta  # anchor + accepted tokens, start = the old base
+    base: int  # new base = old base + len(accepted) + 1
+    node_probs: torch.Tensor | None = None  # [N] p_T of each node's token (traces)
+    accepted_nodes: tuple[int, ...] = ()  # tree indices of the accepted path, root first
+
+    @property
+    def new_tokens(self) -> tuple[int, ...]:
+        """Tokens this round commits to the output: accepted ones then the bonus."""
+        return (*self.accepted, self.bonus)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One request's share of a batched verification (``Verifier.verify_batch``)."""
+
+    session_id: str
+    base: int
+    tree: TokenTree
+    want_node_probs: bool = False
+
+
+class Verifier(ABC):
+    @abstractmethod
+    def info(self) -> VerifierInfo: ...
+
+    @abstractmethod
+    def prefill(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+    ) -> PrefillResult:
+        """Start (or restart) a session on ``token_ids``.
+
+        Without ``anchor`` the first token is drawn from the target; with it (re-prefill
+        after a verifier restart) that already-emitted token becomes the pending anchor.
+        """
+
+    @abstractmethod
+    def verify(
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+    ) -> VerifyResult:
+        """One target forward over every tree node; sample-and-match; commit the path."""
+
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
+        """Verify several sessions' trees; each answer is its call's result or its error.
+
+        One call's refusal (a stale base, a bad tree) never fails the others. This default
+        verifies one call after another; engines that can put every tree into ONE forward
+        override it, with results equal to these.
+        """
+        out: list[VerifyResult | EngineError] = []
+        for c in calls:
+            try:
+                out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs))
+            except EngineError as e:
+                out.append(e)
+        return out
+
+    def step(self, session_id: str, base: int) -> VerifyResult:
+        """One plain AR token: the verification of a root-only tree."""
+        return self.verify(session_id, base, TokenTree.root_only(self.anchor(session_id)))
+
+    def cost_model(self) -> CostFit | None:
+        """The live fit of forward seconds vs tree size and context (None: uncalibrated)."""
+        return self.info().cost
+
+    def calibrate_cost(self) -> CostFit | None:
+        """Measure forwards over a range of tree sizes and contexts; the fitted cost model.
+
+        Engines that time their own forwards override this; a client of a remote verifier
+        gets the server's fit (calibrated at its start-up).
+        """
+        return self.cost_model()
+
+    @abstractmethod
+    def anchor(self, session_id: str) -> int:
+        """The session's pending anchor (last committed token, not yet processed)."""
+
+    @abstractmethod
+    def close(self, session_id: str) -> None: ...

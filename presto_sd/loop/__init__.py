@@ -1,0 +1,1 @@
+"""The generation loop every mode runs: rounds, fault links, TAPS feedback."""

@@ -1,0 +1,87 @@
+"""What a generation loop learns round by round and hands to TAPS (``TreeParams``).
+
+- **Verify cost.** The verifier's own fit (``Info.cost``: its start-up calibration
+  refined by its forwards) is the warm start; the loop refines it with what each round
+  really cost it — the verify call as the loop sees it, transfer included in
+  distributed mode.
+- **Draft time.** A moving average of the round's fixed cost ``t_draft``.
+- **Acceptance.** The map of ``a(u)`` that makes the trees' promised acceptance match
+  what this request's target really accepts: Platt scaling with a depth term, fitted
+  on every node whose parent was accepted (``presto_sd.method.acceptance_calibration``).
+- **Draft gate.** Drafting is itself a choice: a drafted round that keeps no tree
+  (``B* = 0``) is an AR step that also paid for drafting and building, and a tree that
+  gets little accepted can cost more than the AR steps it replaces. The loop measures
+  each drafted round's saving against plain AR steps for the same tokens,
+  ``tokens * t_ar - t_round`` with ``t_ar`` the cost model's one-token verify plus a
+  commit, and keeps a moving average (weight 0.1 on the newest, from 0). While it is
+  negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (a
+  skipped round is a plain AR step; the drafter still gets the committed delta); a
+  drafted round that brings it back to >= 0 resets it. The average moves only on
+  drafted rounds, so after a long losing stretch it takes a few good probes, up to
+  ``max_backoff`` rounds apart, to reopen. Where trees pay (a GPU, a good drafter) the
+  gate stays open; where nothing beats AR, ``taps`` runs mostly AR steps and probes.
+
+Only ``taps`` reads it; one per request, so what it learns follows the request's domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from presto_sd.engine.verifier import Verifier
+from presto_sd.method.acceptance_calibration import OnlineAcceptanceCalibrator, node_trials
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.cost_model import MovingAverage, OnlineCostModel
+from presto_sd.method.tree import TokenTree
+
+
+class TapsFeedback:
+    def __init__(self, verifier: Verifier, max_backoff: int = 8) -> None:
+        prior = verifier.cost_model() or verifier.calibrate_cost()
+        if prior is None:
+            raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
+        self.verify = OnlineCostModel(prior=prior)
+        self.draft, self.commit = MovingAverage(), MovingAverage()
+        # seconds a drafted round saves over AR steps: from a neutral 0, with a memory of
+        # ~10 drafted rounds, so it follows the mean saving rather than a streak
+        self.saving = MovingAverage(alpha=0.1, initial=0.0)
+        self.acceptance = OnlineAcceptanceCalibrator()
+        self.max_backoff = max_backoff
+        self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
+
+    def should_draft(self) -> bool:
+        """False for the rounds the gate skips (each call is one round)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
+
+    def tree_params(self, params: TreeParams) -> TreeParams:
+        """``params`` with this round's cost model, draft-time estimate and acceptance map."""
+        return replace(params, cost=self.verify.fit, draft_s=self.draft.value or 0.0,
+                       calibration=self.acceptance.calibration)
+
+    def observe(
+        self, tree: TokenTree | None, node_log_acceptance: tuple[float, ...], base: int,
+        accepted: tuple[int, ...], draft_s: float, verify_s: float, commit_s: float,
+    ) -> None:
+        """One round on a context of ``base``: the tree verified (None: no draft) and each
+        node's raw acceptance estimate, the draft tokens accepted, and what each step of
+        the round cost."""
+        self.verify.observe(tree.size + 1 if tree is not None else 1, base, verify_s)
+        self.commit.observe(commit_s)
+        if tree is None:  # skipped or fallen back: nothing learned about drafting
+            return
+        self.draft.observe(draft_s + commit_s)  # TAPS's t_draft: the round's fixed cost
+        if len(node_log_acceptance) == len(tree.tokens):  # a drafter that predates it sends none
+            try:
+                self.acceptance.observe(node_trials(tree, node_log_acceptance, accepted))
+            except ValueError:  # a foreign drafter's tree with twin siblings: learn nothing from it
+                pass
+        ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
+        self.saving.observe((len(accepted) + 1) * ar_step_s - (draft_s + verify_s + commit_s))
+        if self.saving.value < 0:
+            self._backoff = min(self.max_backoff, max(1, 2 * self._backoff))
+            self._skip = self._backoff
+        else:
+            self._backoff = 0

@@ -1,0 +1,1 @@
+"""The method: token trees, scores, tree builders, TAPS, acceptance; pure (docs/design.md)."""

@@ -1,0 +1,249 @@
+"""Node scores: marginal ``log q`` and PRESTO's prefix-aligned ``log q + lambda_d log rho``.
+
+``rho_d(t | c_d)`` estimates the probability that token ``t`` at depth ``d`` is accepted
+given that its prefix ``c_d`` was. Providers are pluggable (``RhoProvider``): a constant,
+an n-gram LM, or the learned ``h_phi`` MLP. Everything here is pure tensor code: the
+drafter hands in its marginals, nothing else about models or transport.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from presto_sd.method.ngram import NGramModel
+
+RHO_FLOOR = 1e-3  # rho is a probability estimate; never let one node veto a path outright
+
+
+@dataclass(frozen=True)
+class DraftMarginals:
+    """The drafter's top-K per block position; row ``d - 1`` is depth ``d``."""
+
+    token_ids: torch.Tensor  # long [D, K], best first
+    log_probs: torch.Tensor  # float [D, K], log q_d (not renormalised over the top-K)
+    entropy: torch.Tensor  # float [D], entropy of the full q_d
+    hidden: torch.Tensor | None = None  # float [D, H], drafter output states (h_phi features)
+
+    @property
+    def depth(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.token_ids.shape[1]
+
+
+@dataclass
+class ScoringContext:
+    """What a rho provider may condition on beyond the candidate itself."""
+
+    marginals: DraftMarginals
+    context_tokens: list[int]  # committed tokens, ending with the anchor
+    online_ngram: NGramModel | None = None  # counts from this request's own context
+    memo: dict = field(default_factory=dict)  # per-draft values a provider computes once
+
+
+class RhoProvider(Protocol):
+    name: str
+
+    def log_rho(
+        self,
+        ctx: ScoringContext,
+        depth: int,
+        prefixes: list[list[int]],
+        candidates: torch.Tensor,
+        log_q: torch.Tensor,
+    ) -> torch.Tensor:
+        """``log rho`` [P, C] for candidates [P, C] extending each drafted prefix (len d-1)."""
+        ...
+
+
+@dataclass
+class ConstantRho:
+    value: float = 0.5
+    name: str = "constant"
+
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        return torch.full(candidates.shape, math.log(self.value))
+
+
+@dataclass
+class NGramRho:
+    """``rho = min(1, p_ng(t | c) / q_d(t))`` from the request's online counts and a table."""
+
+    table: NGramModel | None = None
+    table_weight: float = 0.5  # mixture weight of the shipped table vs the online counts
+    name: str = "ngram"
+
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        out = torch.empty(candidates.shape)
+        for i, prefix in enumerate(prefixes):
+            history = ctx.context_tokens + prefix
+            cands = candidates[i].tolist()
+            p = self._probs(ctx, history, cands)
+            out[i] = torch.log(p.clamp_min(1e-12)) - log_q[i]
+        return out.clamp(max=0.0, min=math.log(RHO_FLOOR))
+
+    def _probs(self, ctx: ScoringContext, history: list[int], cands: list[int]) -> torch.Tensor:
+        sources = [m for m in (ctx.online_ngram, self.table) if m is not None]
+        if not sources:
+            return torch.full((len(cands),), RHO_FLOOR)
+        if len(sources) == 1:
+            return sources[0].probs(history, cands)
+        online, table = sources
+        w = self.table_weight
+        return (1 - w) * online.probs(history, cands) + w * table.probs(history, cands)
+
+
+class HPhi(nn.Module):
+    """The learned acceptance predictor: a 2-layer MLP on node features -> logit of rho.
+
+    A linear path on the scalar features (``log q``, entropy, depth and, with
+    ``n_scalars = 4``, the n-gram's ``log rho``) runs beside the MLP, so h_phi starts from
+    — and can never do much worse than — a calibrated ``q`` (or q and n-gram together).
+    """
+
+    def __init__(
+        self, hidden_size: int, embed_size: int, width: int = 256, dropout: float = 0.1, n_scalars: int = 3
+    ) -> None:
+        super().__init__()
+        if n_scalars not in (3, 4):
+            raise ValueError(f"h_phi: n_scalars = {n_scalars}: 3 (q, entropy, depth) or 4 (+ n-gram)")
+        self.config = {"hidden_size": hidden_size, "embed_size": embed_size, "width": width,
+                       "dropout": dropout, "n_scalars": n_scalars}
+        self.n_scalars = n_scalars
+        self.net = nn.Sequential(
+            nn.Linear(hidden_size + 2 * embed_size + n_scalars, width), nn.SiLU(), nn.Dropout(dropout),
+            nn.Linear(width, 1),
+        )
+        self.scalar = nn.Linear(n_scalars, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return (self.net(features) + self.scalar(features[..., -self.n_scalars :])).squeeze(-1)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, path / "h_phi.safetensors")
+        (path / "h_phi.json").write_text(json.dumps(self.config, indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> HPhi:
+        path = Path(path)
+        model = cls(**json.loads((path / "h_phi.json").read_text()))
+        model.load_state_dict(load_file(path / "h_phi.safetensors"))
+        return model.eval()
+
+
+def hphi_features(
+    hidden: torch.Tensor,
+    parent_emb: torch.Tensor,
+    cand_emb: torch.Tensor,
+    log_q: torch.Tensor,
+    entropy: torch.Tensor,
+    depth: torch.Tensor,
+    log_rho_ngram: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Feature rows [..., H + 2E + 3 (+1)] for ``HPhi``; all leading shapes must broadcast."""
+    lead = log_q.shape
+    cols = [
+        hidden.expand(*lead, hidden.shape[-1]),
+        parent_emb.expand(*lead, parent_emb.shape[-1]),
+        cand_emb.expand(*lead, cand_emb.shape[-1]),
+        log_q[..., None],
+        entropy.expand(lead)[..., None],
+        (depth.float() / 16.0).expand(lead)[..., None],
+    ]
+    if log_rho_ngram is not None:  # the n-gram's view of the prefix: what q cannot see
+        cols.append(log_rho_ngram.float().expand(lead)[..., None])
+    return torch.cat(cols, dim=-1)
+
+
+@dataclass
+class LearnedRho:
+    """``rho = sigmoid(h_phi(features))``; needs the target's token embeddings, and the
+    n-gram provider when h_phi was trained with its ``log rho`` as a feature."""
+
+    model: HPhi
+    embed_tokens: torch.Tensor  # [V, E]
+    ngram: NGramRho | None = None
+    name: str = "hphi"
+    _dtype: torch.dtype = field(default=torch.float32, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model.n_scalars == 4 and self.ngram is None:
+            raise ValueError("this h_phi reads the n-gram's log rho: give LearnedRho an NGramRho")
+
+    @torch.no_grad()
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        m = ctx.marginals
+        if m.hidden is None:
+            raise ValueError("the h_phi rho provider needs the drafter's hidden states")
+        parents = torch.tensor(
+            [p[-1] if p else ctx.context_tokens[-1] for p in prefixes], dtype=torch.long
+        )
+        log_rho_ngram = None
+        if self.model.n_scalars == 4:
+            log_rho_ngram = self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
+        feats = hphi_features(
+            m.hidden[depth - 1].float()[None, None],
+            self.embed_tokens[parents].float()[:, None],
+            self.embed_tokens[candidates].float(),
+            log_q.float(),
+            m.entropy[depth - 1].float(),
+            torch.tensor(depth),
+            log_rho_ngram,
+        )
+        logits = self.model(feats)
+        return torch.nn.functional.logsigmoid(logits).clamp(min=math.log(RHO_FLOOR))
+
+
+@dataclass
+class PrefixRho:
+    """``rho = q_d(t | x)``: the drafter's own block position ``d`` conditioned on the
+    token ``x`` of the node's parent, from its prefix-conditioned head.
+
+    A node is accepted exactly when its token is the target's next one given its
+    (accepted) parent, so the conditional is a direct estimate of that probability: it
+    rescores PRESTO's children and is TAPS's ``a(u)``. ``transition(hidden [P, H], parent
+    draft ids [P]) -> [P, Vd]`` is the head's logit correction; ``draft_head`` the draft
+    lm_head rows; ``t2d`` maps target ids to draft ids (-1 outside the draft vocabulary).
+    """
+
+    draft_head: torch.Tensor  # [Vd, H]
+    t2d: torch.Tensor  # long [V]
+    transition: object  # Callable[[Tensor, Tensor], Tensor]
+    name: str = "prefix"
+
+    @torch.no_grad()
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        m = ctx.marginals
+        if m.hidden is None:
+            raise ValueError("the prefix rho provider needs the drafter's hidden states")
+        key = ("prefix-logits", depth)
+        if key not in ctx.memo:
+            h = m.hidden[depth - 1].to(self.draft_head.dtype)
+            ctx.memo[key] = (h, (h @ self.draft_head.T).float())
+        h, logits = ctx.memo[key]
+        parents = torch.tensor([p[-1] if p else ctx.context_tokens[-1] for p in prefixes], dtype=torch.long)
+        cond = logits[None] + self.transition(h.expand(len(prefixes), -1), self.t2d[parents]).float()
+        logp = torch.log_softmax(cond, dim=-1)  # [P, Vd]
+        cand = self.t2d[candidates]  # [P, C]; a candidate outside the draft vocabulary has q = 0
+        out = logp.gather(1, cand.clamp_min(0))
+        return torch.where(cand >= 0, out, torch.full_like(out, math.log(RHO_FLOOR))).clamp(
+            min=math.log(RHO_FLOOR))
+
+
+def prefix_aligned_scores(
+    log_q: torch.Tensor, log_rho: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """PRESTO's node score ``s = log q + lambda_d log rho``."""
+    return log_q + lam * log_rho

@@ -1,0 +1,1 @@
+"""Models: loading targets and drafters, the DFlash model, drafter assets."""
