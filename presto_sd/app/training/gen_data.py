@@ -32,7 +32,8 @@ class GenDataConfig:
     out: str
     target: str | None = None
     target_layer_ids: tuple[int, ...] = (1, 8, 14, 20, 27)
-    sources: str = "sharegpt,code,arith"  # comma list of presto_sd.app.training.corpus.SOURCES
+    # comma list of corpus.SOURCES, or "v1": the first plan (first ShareGPT turns only, 2026-11-29)
+    sources: str = "sharegpt,code,arith"
     n_code: int = 6000  # synthesised programming prompts (stdlib signatures and docstrings)
     n_arith: int = 6000  # synthesised arithmetic word problems
     n_prompts: int = 0  # keep the first n items of the shuffled corpus (0 = all)
@@ -69,6 +70,8 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     from presto_sd.app.training.corpus import build_corpus
 
     sources = tuple(s for s in cfg.sources.split(",") if s)
+    if sources == ("v1",):  # the shipped drafter's data (2026-11-29): first turns, no length sort
+        return _cache_plan(cache, key, _plan_v1(cfg, tok), cfg)
     items = build_corpus(sources, cfg.n_code, cfg.n_arith, cfg.seed)
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     items = [items[i] for i in order]
@@ -84,11 +87,28 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     for g in range(0, len(encoded), group):
         chunk = sorted(encoded[g : g + group], key=lambda e: len(e[1]))
         batches += [chunk[i : i + cfg.batch_size] for i in range(0, len(chunk), cfg.batch_size)]
+    return _cache_plan(cache, key, batches, cfg)
+
+
+def _cache_plan(cache: Path | None, key: dict, batches: list, cfg: GenDataConfig) -> list:
     if cache is not None:
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": key, "batches": batches}))
         tmp.rename(cache)
     return batches[: cfg.max_batches] if cfg.max_batches else batches
+
+
+def _plan_v1(cfg: GenDataConfig, tok) -> list[list[tuple[str, list[int]]]]:
+    """The first plan: the first ``n_prompts`` first human turns of ShareGPT's train split,
+    those over ``max_prompt_tokens`` dropped, shuffled, cut into batches in that order."""
+    from presto_sd.app.datasets import load_prompts
+
+    prompts = load_prompts("sharegpt", "train", cfg.n_prompts or None)
+    encoded = [(p.id, encode_messages(tok, p.messages)) for p in prompts]
+    encoded = [(pid, ids) for pid, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
+    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    encoded = [encoded[i] for i in order]
+    return [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
 
 
 def _fit_prompt(tok, messages: list[dict[str, str]], max_tokens: int) -> list[int] | None:
