@@ -97,6 +97,8 @@ def test_gen_data_resumed_equals_uninterrupted(tiny_target_dir, tmp_path):
     assert len(names) == 3 and names == sorted(p.name for p in parts.glob("shard_*.safetensors"))
     for name in names:
         assert (whole / name).read_bytes() == (parts / name).read_bytes(), name
+    with pytest.raises(ValueError, match="another plan"):  # other flags over these shards
+        generate_training_data(GenDataConfig(out=str(parts), **{**cfg, "n_arith": 6}))
     rows = [json.loads(line) for line in (whole / "progress.jsonl").read_text().splitlines()]
     assert [r["shard"] for r in rows] == [0, 1, 2] and all(r["new_tokens"] > 0 for r in rows)
 

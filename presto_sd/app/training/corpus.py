@@ -13,6 +13,7 @@ import importlib
 import inspect
 import json
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -181,3 +182,28 @@ def build_corpus(sources: tuple[str, ...], n_code: int, n_arith: int, seed: int 
     if "arith" in sources:
         items += arithmetic_items(n_arith, seed)
     return items
+
+
+_WORD = re.compile(r"\w+")
+DECONTAMINATION_N = 13  # word n-grams, as GPT-3's decontamination
+
+
+def _ngrams(text: str, n: int) -> set[int]:
+    words = _WORD.findall(text.lower())
+    return {hash(tuple(words[i : i + n])) for i in range(len(words) - n + 1)}
+
+
+def benchmark_ngrams(n: int = DECONTAMINATION_N) -> set[int]:
+    """Every word n-gram of every benchmark prompt this project evaluates on."""
+    from presto_sd.app.datasets import BENCHMARKS, load_prompts
+
+    grams: set[int] = set()
+    for name in sorted(BENCHMARKS):
+        for p in load_prompts(name, "heldout"):
+            grams |= _ngrams(" ".join(p.turns), n)
+    return grams
+
+
+def is_contaminated(item: TrainingItem, grams: set[int], n: int = DECONTAMINATION_N) -> bool:
+    """Whether any word n-gram of the item's messages is one of a benchmark prompt's."""
+    return not grams.isdisjoint(_ngrams(" ".join(m["content"] for m in item.messages), n))

@@ -62,12 +62,13 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     (keyed by every field that shapes it) and a restarted job reads it back.
     """
     key = {k: v for k, v in asdict(cfg).items() if k not in ("out", "max_batches", "dtype", "device")}
+    key["decontaminated"] = "13-gram"  # plans made before the filter are planned again
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
             batches = [[(i, ids) for i, ids in b] for b in saved["batches"]]
             return batches[: cfg.max_batches] if cfg.max_batches else batches
-    from presto_sd.app.training.corpus import build_corpus
+    from presto_sd.app.training.corpus import benchmark_ngrams, build_corpus, is_contaminated
 
     sources = tuple(s for s in cfg.sources.split(",") if s)
     if sources == ("v1",):  # the shipped drafter's data (2026-11-29): first turns, no length sort
@@ -77,6 +78,9 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     items = [items[i] for i in order]
     if cfg.n_prompts:
         items = items[: cfg.n_prompts]
+    # after the shuffle, so dropping an item moves nothing before its sort group
+    grams = benchmark_ngrams()
+    items = [it for it in items if not is_contaminated(it, grams)]
     encoded = []
     for item in items:
         ids = _fit_prompt(tok, list(item.messages), cfg.max_prompt_tokens)
@@ -133,6 +137,7 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
     batches = plan_batches(cfg, tok, out / "plan.json")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = set(filter(None, [tok.eos_token_id])) | {2}
+    _check_existing_shards(out, batches)
     todo = [b for b in range(len(batches)) if not (out / f"shard_{b:05d}.safetensors").exists()]
     bar = tqdm(total=len(batches), initial=len(batches) - len(todo), desc="gen-data", unit="shard",
                mininterval=10)
@@ -169,6 +174,17 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out
+
+
+def _check_existing_shards(out: Path, batches: list) -> None:
+    """Refuse to resume over shards another plan made (other flags, another corpus)."""
+    for shard in sorted(out.glob("shard_*.safetensors")):
+        b = int(shard.stem.split("_")[1])
+        with safe_open(shard, "pt") as f:
+            ids = json.loads((f.metadata() or {}).get("ids", "null"))
+        if ids is not None and (b >= len(batches) or ids != [i for i, _ in batches[b]]):
+            raise ValueError(f"{shard} was written by another plan than these flags make: "
+                             "resume with the flags it was made with, or give another --out")
 
 
 @torch.inference_mode()

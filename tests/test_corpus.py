@@ -1,0 +1,42 @@
+"""The drafter's training corpus: whole conversations, synthesised prompts, no benchmark text."""
+
+from __future__ import annotations
+
+from presto_sd.app.datasets import load_prompts
+from presto_sd.app.training.corpus import (
+    TrainingItem,
+    arithmetic_items,
+    benchmark_ngrams,
+    code_items,
+    is_contaminated,
+    sharegpt_turn_items,
+)
+
+
+def test_every_assistant_turn_is_an_item():
+    items = sharegpt_turn_items("train")
+    first = [it for it in items if it.id.endswith("/1")]
+    later = [it for it in items if not it.id.endswith("/1")]
+    assert len(first) > 10_000 and len(later) > len(first)  # all turns, not only the first
+    for it in items[:500]:
+        roles = [m["role"] for m in it.messages]
+        assert roles[0] == "user" and roles[-1] == "user"
+        assert all(a != b for a, b in zip(roles, roles[1:]))  # alternating turns
+    held = {p.id for p in load_prompts("sharegpt", "heldout")}
+    assert not {it.id.split("/")[0] for it in items} & held  # the held-out split stays out
+
+
+def test_synthesised_prompts_are_seeded_and_varied():
+    a, b = arithmetic_items(50, seed=3), arithmetic_items(50, seed=3)
+    assert a == b and len({it.messages[0]["content"] for it in a}) == 50
+    code = code_items(40)
+    assert len({it.messages[0]["content"] for it in code}) == 40
+    assert any("```python" in it.messages[0]["content"] for it in code)
+
+
+def test_benchmark_text_is_caught():
+    grams = benchmark_ngrams()
+    question = load_prompts("gsm8k", "heldout", 1)[0].turns[0]
+    leaked = TrainingItem("x", "sharegpt", ({"role": "user", "content": "Please solve: " + question},))
+    assert is_contaminated(leaked, grams)
+    assert not any(is_contaminated(it, grams) for it in arithmetic_items(300) + code_items(300))
