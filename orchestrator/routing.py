@@ -36,7 +36,6 @@ from presto_sd.engine.messages import (
     DrafterUnavailableError,
     EngineError,
     FeatureDelta,
-    SessionNotFoundError,
     UnavailableError,
     VerifierUnavailableError,
 )
@@ -197,7 +196,6 @@ class RoutedVerifier(_Routed, Verifier):
                  batchers: dict[Replica, VerifyBatcher]) -> None:
         super().__init__(pool, route, metrics)
         self.batchers = batchers
-        self._anchor: int | None = None
         self._prefills = 0
 
     def info(self) -> VerifierInfo:
@@ -212,7 +210,6 @@ class RoutedVerifier(_Routed, Verifier):
         out = replica.call("prefill", session_id, token_ids, sampling, anchor,
                            timeout_s=replica.timeouts.prefill_s)
         self.route.verifier_s += out.busy_s
-        self._anchor = out.value.anchor
         return out.value
 
     def verify(
@@ -224,17 +221,11 @@ class RoutedVerifier(_Routed, Verifier):
         self.route.queue_s += queue_s
         if isinstance(res, BaseException):
             raise res
-        self._anchor = res.bonus
         return res
 
     def calibrate_cost(self):
         """TAPS's cost model: the replica's own (an in-process verifier measures its forwards)."""
         return self._home().call("calibrate_cost", timeout_s=self.pool.replicas[0].timeouts.prefill_s).value
-
-    def anchor(self, session_id: str) -> int:
-        if self._anchor is None:
-            raise SessionNotFoundError(f"verifier session {session_id!r} was never opened")
-        return self._anchor
 
 
 class VerifyBatcher:

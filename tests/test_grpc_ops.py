@@ -61,7 +61,7 @@ def test_health_not_serving_before_load_and_while_draining(tiny_target):
             remote.prefill("s", [1, 2])
         server.attach(_verifier(tiny_target))
         assert _health(server.address) == SERVING
-        remote.prefill("s", [1, 2])
+        pre = remote.prefill("s", [1, 2])
 
         from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
             ProtoReflectionDescriptorDatabase,
@@ -72,11 +72,11 @@ def test_health_not_serving_before_load_and_while_draining(tiny_target):
         draining = submit(server.server.drain())
         time.sleep(0.3)
         assert _health(server.address) == NOT_SERVING
-        assert remote.step("s", 2).base == 3  # still answering while the balancers move away
+        assert remote.step("s", 2, pre.anchor).base == 3  # still answering while the balancers move away
         draining.result(10)
         drained = True
         with pytest.raises(VerifierUnavailableError):
-            remote.step("s", 3)
+            remote.step("s", 3, 0)
     finally:
         remote.shutdown()
         if not drained:
@@ -91,7 +91,7 @@ def test_idle_sessions_expire(tiny_target):
         remote.prefill("idle", [1, 2])
         time.sleep(0.6)
         with pytest.raises(SessionNotFoundError, match="idle"):
-            remote.step("idle", 2)
+            remote.step("idle", 2, 0)
     finally:
         remote.shutdown()
         server.stop()

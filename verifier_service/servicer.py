@@ -45,7 +45,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
 
     async def Step(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
-        return wire.verify_result_to_pb(await self.run(context, "step", sid, base))
+        return wire.verify_result_to_pb(await self.run(context, "step", sid, base, request.anchor))
 
     async def Close(self, request, context: grpc.aio.ServicerContext):
         await self.run(context, "close", session_id_from(request.session_id))

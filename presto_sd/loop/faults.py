@@ -130,7 +130,7 @@ class VerifierLink:
         """Verify ``tree`` (None: one AR step), re-prefilling a lost session first."""
         def attempt() -> VerifyResult:
             if tree is None:
-                return self.verifier.step(self.sid, base)
+                return self.verifier.step(self.sid, base, self.tokens[-1])
             return self.verifier.verify(self.sid, base, tree)
 
         def recover() -> None:
