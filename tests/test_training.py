@@ -46,6 +46,7 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
                                          target_layer_ids=(0, 1), n_prompts=6, max_new_tokens=12,
                                          batch_size=3))
     assert sorted(p.stat().st_mtime_ns for p in data.glob("shard_*")) == before
+    assert {s.prompt_len for s in seqs} and all(s.prompt_len < len(s.tokens) for s in seqs)
 
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), target=str(tiny_target_dir),
                       num_layers=1, block_size=4, draft_vocab=64, anchors_per_seq=4, batch_seqs=4,
@@ -57,6 +58,7 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
 
     model = DFlashDraftModel.load(drafter_dir)
     assert model.config.block_size == 4 and model.d2t is not None and len(model.d2t) <= 64
+    assert model.prefix_head is None  # a drafter without the head: as published DFlash ones
 
     # acceptance predictors: traces -> h_phi, n-gram table, lambdas, calibration report
     report = train_acceptance(AcceptanceConfig(
@@ -78,6 +80,54 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
         res = generate(stack.verifier, stack.drafter, prompt,
                        GenerationParams(method=method, tree=tree, max_new_tokens=12))
         assert res.token_ids == ar.token_ids
+
+
+def test_gen_data_resumed_equals_uninterrupted(tiny_target_dir, tmp_path):
+    """A job stopped after its first shard (and mid-way through its second: a stray .tmp)
+    restarts where it stopped and writes exactly the shards an uninterrupted run writes."""
+    cfg = dict(target=str(tiny_target_dir), target_layer_ids=(0, 1), sources="code,arith", n_code=5,
+               n_arith=5, max_new_tokens=10, batch_size=4, temperature=0.8)
+    whole = generate_training_data(GenDataConfig(out=str(tmp_path / "whole"), **cfg))
+    parts = tmp_path / "parts"
+    generate_training_data(GenDataConfig(out=str(parts), max_batches=1, **cfg))
+    assert len(list(parts.glob("shard_*.safetensors"))) == 1
+    (parts / "shard_00001.tmp").write_bytes(b"half a shard")
+    generate_training_data(GenDataConfig(out=str(parts), **cfg))
+    names = sorted(p.name for p in whole.glob("shard_*.safetensors"))
+    assert len(names) == 3 and names == sorted(p.name for p in parts.glob("shard_*.safetensors"))
+    for name in names:
+        assert (whole / name).read_bytes() == (parts / name).read_bytes(), name
+    rows = [json.loads(line) for line in (whole / "progress.jsonl").read_text().splitlines()]
+    assert [r["shard"] for r in rows] == [0, 1, 2] and all(r["new_tokens"] > 0 for r in rows)
+
+
+def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
+    """The prefix-conditioned head trains jointly (its conditional loss falls), is saved in
+    the checkpoint, and is the ``prefix`` rho provider of lossless tree decoding."""
+    data = generate_training_data(GenDataConfig(
+        out=str(tmp_path / "data"), target=str(tiny_target_dir), target_layer_ids=(0, 1),
+        sources="arith", n_arith=8, max_new_tokens=16, batch_size=4))
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), target=str(tiny_target_dir),
+                      num_layers=1, block_size=4, draft_vocab=64, anchors_per_seq=4, batch_seqs=4,
+                      steps=40, lr=3e-3, warmup=2, log_every=5, ckpt_every=40, heldout_seqs=1,
+                      prefix_rank=8)
+    drafter_dir = train_drafter(cfg)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in log[-2:]) / 2 < log[0]["loss"]
+    assert "acc_cond" in log[-1]
+    model = DFlashDraftModel.load(drafter_dir)
+    assert model.config.prefix_head_rank == 8 and model.prefix_head is not None
+    assert model.prefix_head.next.abs().sum() > 0  # it learnt something
+
+    stack = build_embedded(str(tiny_target_dir), str(drafter_dir), device=torch.device("cpu"))
+    assert "prefix" in stack.drafter.rho_providers
+    prompt = [1, 2, 3, 4, 5]
+    ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
+    for method in ("presto-beam", "presto-best-first", "taps"):
+        tree = TreeParams(method=method, budget=6, rho="prefix", lambdas=(1.0,))
+        res = generate(stack.verifier, stack.drafter, prompt,
+                       GenerationParams(method=method, tree=tree, max_new_tokens=12))
+        assert res.token_ids == ar.token_ids, method
 
 
 def test_shipped_drafter_matches_the_target():

@@ -21,7 +21,14 @@ from presto_sd.engine.messages import (
 from presto_sd.engine.sessions import SessionTable
 from presto_sd.method.builders import METHODS, RHO_METHODS, TreeParams, build_tree
 from presto_sd.method.ngram import NGramModel
-from presto_sd.method.scores import ConstantRho, DraftMarginals, NGramRho, RhoProvider, ScoringContext
+from presto_sd.method.scores import (
+    ConstantRho,
+    DraftMarginals,
+    NGramRho,
+    PrefixRho,
+    RhoProvider,
+    ScoringContext,
+)
 from presto_sd.models.dflash import DFlashDraftModel
 
 
@@ -66,6 +73,13 @@ class DFlashDrafter(Drafter):
             "ngram": NGramRho(),
             **(rho_providers or {}),
         }
+        if model.prefix_head is not None:  # the drafter's own prefix-conditioned estimate
+            t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=lm_head.device)
+            d2t = self.d2t if self.d2t is not None else torch.arange(self.vocab_size, device=lm_head.device)
+            t2d[d2t] = torch.arange(len(d2t), device=lm_head.device)
+            head = model.prefix_head
+            self.rho_providers["prefix"] = PrefixRho(
+                self.draft_head, t2d, lambda h, parent: head(h.to(head.next.dtype), parent))
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.max_budget = max_budget

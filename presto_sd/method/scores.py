@@ -48,6 +48,7 @@ class ScoringContext:
     marginals: DraftMarginals
     context_tokens: list[int]  # committed tokens, ending with the anchor
     online_ngram: NGramModel | None = None  # counts from this request's own context
+    memo: dict = field(default_factory=dict)  # per-draft values a provider computes once
 
 
 class RhoProvider(Protocol):
@@ -203,6 +204,42 @@ class LearnedRho:
         )
         logits = self.model(feats)
         return torch.nn.functional.logsigmoid(logits).clamp(min=math.log(RHO_FLOOR))
+
+
+@dataclass
+class PrefixRho:
+    """``rho = q_d(t | x)``: the drafter's own block position ``d`` conditioned on the
+    token ``x`` of the node's parent, from its prefix-conditioned head.
+
+    A node is accepted exactly when its token is the target's next one given its
+    (accepted) parent, so the conditional is a direct estimate of that probability: it
+    rescores PRESTO's children and is TAPS's ``a(u)``. ``transition(hidden [P, H], parent
+    draft ids [P]) -> [P, Vd]`` is the head's logit correction; ``draft_head`` the draft
+    lm_head rows; ``t2d`` maps target ids to draft ids (-1 outside the draft vocabulary).
+    """
+
+    draft_head: torch.Tensor  # [Vd, H]
+    t2d: torch.Tensor  # long [V]
+    transition: object  # Callable[[Tensor, Tensor], Tensor]
+    name: str = "prefix"
+
+    @torch.no_grad()
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        m = ctx.marginals
+        if m.hidden is None:
+            raise ValueError("the prefix rho provider needs the drafter's hidden states")
+        key = ("prefix-logits", depth)
+        if key not in ctx.memo:
+            h = m.hidden[depth - 1].to(self.draft_head.dtype)
+            ctx.memo[key] = (h, (h @ self.draft_head.T).float())
+        h, logits = ctx.memo[key]
+        parents = torch.tensor([p[-1] if p else ctx.context_tokens[-1] for p in prefixes], dtype=torch.long)
+        cond = logits[None] + self.transition(h.expand(len(prefixes), -1), self.t2d[parents]).float()
+        logp = torch.log_softmax(cond, dim=-1)  # [P, Vd]
+        cand = self.t2d[candidates]  # [P, C]; a candidate outside the draft vocabulary has q = 0
+        out = logp.gather(1, cand.clamp_min(0))
+        return torch.where(cand >= 0, out, torch.full_like(out, math.log(RHO_FLOOR))).clamp(
+            min=math.log(RHO_FLOOR))
 
 
 def prefix_aligned_scores(

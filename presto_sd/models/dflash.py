@@ -43,6 +43,12 @@ class DFlashConfig:
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     draft_vocab_size: int | None = None  # a reduced draft vocabulary (token map d2t), if any
+    prefix_head_rank: int | None = None  # the prefix-conditioned head (PrefixHead), if any
+
+    @property
+    def draft_vocab(self) -> int:
+        """Rows of the draft lm_head: the reduced vocabulary, or the target's."""
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_dict(cls, d: dict) -> DFlashConfig:
@@ -71,14 +77,18 @@ class DFlashConfig:
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             attention_bias=d.get("attention_bias", False),
             draft_vocab_size=dflash.get("draft_vocab_size"),
+            prefix_head_rank=dflash.get("prefix_head_rank"),
         )
 
     def to_dict(self) -> dict:
         """The DFlash checkpoint's config.json layout."""
         d = asdict(self)
-        for k in ("block_size", "mask_token_id", "target_layer_ids", "rope_theta", "draft_vocab_size"):
+        for k in ("block_size", "mask_token_id", "target_layer_ids", "rope_theta", "draft_vocab_size",
+                  "prefix_head_rank"):
             d.pop(k)
         extra = {"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}
+        if self.prefix_head_rank:
+            extra["prefix_head_rank"] = self.prefix_head_rank
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -192,6 +202,33 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class PrefixHead(nn.Module):
+    """A low-rank correction of block position ``d``'s logits by the token at ``d - 1``.
+
+    DFlash drafts every block position at once, so ``q_d`` is a marginal over all the
+    prefixes the drafter thinks likely; a tree knows each node's parent token. This head
+    adds ``b_d(t | x) = next[t] . (prev[x] * (1 + gate(h_d)))`` (draft-vocabulary ids; a
+    parent outside the draft vocabulary takes the last ``prev`` row), so the children of a
+    node are scored by ``q_d(t | x) = softmax(logits_d + b_d(. | x))`` (DSpark's "Markov
+    head", with a gate from the position's state). ``next`` starts at zero: an untrained
+    head leaves the drafter as it was.
+    """
+
+    def __init__(self, draft_vocab: int, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.prev = nn.Embedding(draft_vocab + 1, rank)
+        self.gate = nn.Linear(hidden_size, rank, bias=False)
+        self.next = nn.Parameter(torch.zeros(draft_vocab, rank))
+        nn.init.normal_(self.prev.weight, std=rank**-0.5)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, hidden: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+        """Logit corrections [..., Vd] for states [..., H] and parent draft ids [...] (-1: outside)."""
+        unknown = self.prev.num_embeddings - 1
+        u = self.prev(torch.where(parent < 0, unknown, parent)) * (1 + self.gate(hidden))
+        return u @ self.next.T
+
+
 class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -203,6 +240,9 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # draft id -> target id; None = the full target vocabulary (public checkpoints)
         self.d2t: torch.Tensor | None = None
+        self.prefix_head = (
+            PrefixHead(c.draft_vocab, c.hidden_size, c.prefix_head_rank) if c.prefix_head_rank else None
+        )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
@@ -234,14 +274,33 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     # -- checkpoints (DFlash format) ----------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(
+        self, path: str | Path, dtype: torch.dtype | None = None, max_file_mb: float | None = None
+    ) -> None:
+        """Config, weights (in ``dtype`` if given) and the token map; weights are split into
+        files of at most ``max_file_mb`` MiB when given (``load`` reads every file)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
+        for old in path.glob("model*.safetensors"):
+            old.unlink()
+        limit = int(max_file_mb * 2**20) if max_file_mb else None
+        files: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for k, v in state.items():
+            nbytes = v.numel() * v.element_size()
+            if limit and files[-1] and size + nbytes > limit:
+                files.append({})
+                size = 0
+            files[-1][k] = v
+            size += nbytes
+        for i, part in enumerate(files):
+            n = len(files)
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file(part, path / name, metadata={"format": "pt"})
         if self.d2t is not None:
-            save_file({"d2t": self.d2t.contiguous()}, path / "draft_vocab.safetensors")
+            save_file({"d2t": self.d2t.cpu().contiguous()}, path / "draft_vocab.safetensors")
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:

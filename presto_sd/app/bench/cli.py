@@ -42,6 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--out", default="runs/bench", help="output dir (default: %(default)s)")
     w.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up generations")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.add_argument("--replay", action="store_true",
+                   help="offline tau replay (greedy): one recorded AR pass per prompt stands in for the "
+                        "target, so every builder and budget costs only its drafting; writes "
+                        "DIR/replay.json (tau per method and budget, the drafter's recall@K per depth "
+                        "and the oracle accepted length over its top-K). taps and hf-prompt-lookup "
+                        "are skipped: their rounds follow measured time")
+    w.add_argument("--recordings", default=None,
+                   help="replay: a file of recorded AR passes to reuse or create "
+                        "(default: one per target, prompts and length in the cache)")
+    w.add_argument("--positions-top-k", type=int, default=16,
+                   help="replay: K for recall@K and the top-K oracle (default: %(default)s)")
     t = p.add_argument_group("drafting")
     t.add_argument("--depth", type=int, default=15, help="max tree depth (<= block size - 1)")
     t.add_argument("--branching", type=int, default=4, help="presto-beam: children per frontier path")
@@ -117,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine_info(info.device, info.dtype),
     }
     out = Path(args.out)
+    if args.replay:
+        from presto_sd.app.bench.replay_cli import run_replay
+
+        return run_replay(args, stack, encoded, config, out, meta)
     result = bench(stack.verifier, stack.drafter, encoded, config, out, meta, progress=not args.no_progress)
     from presto_sd.app.bench.report import markdown_table
 

@@ -54,6 +54,7 @@ class Traces:
     entropy: torch.Tensor  # [N]
     depth: torch.Tensor  # [N]
     log_rho_ngram: torch.Tensor  # [N]
+    log_rho_prefix: torch.Tensor  # [N] the drafter's prefix head (0 when it has none)
     p_target: torch.Tensor  # [N]
     label: torch.Tensor  # [N] 1 = accepted
     group: torch.Tensor  # [N]
@@ -81,6 +82,7 @@ def build_ngram_table(data_dir: str | Path, order: int, vocab_size: int) -> NGra
 def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table: NGramModel) -> Traces:
     verifier, drafter = stack.verifier, stack.drafter
     rho = NGramRho(table)
+    prefix_rho = drafter.rho_providers.get("prefix")
     params = TreeParams(method="marginal", budget=cfg.budget, depth=cfg.depth, top_k=max(10, cfg.budget))
     rows: dict[str, list] = {k: [] for k in Traces.__dataclass_fields__}
     group = 0
@@ -106,6 +108,8 @@ def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table
                 logq = m.log_probs[depth - 1][idx]
                 prefix = tree.path_tokens(parent)[1:]
                 lr = rho.log_rho(ctx, depth, [prefix], toks[None], logq[None])[0]
+                lp = (prefix_rho.log_rho(ctx, depth, [prefix], toks[None], logq[None])[0]
+                      if prefix_rho is not None else torch.zeros(len(kids)))
                 for j, c in enumerate(kids):
                     rows["hidden"].append(m.hidden[depth - 1])
                     rows["parent"].append(tree.tokens[parent])
@@ -114,6 +118,7 @@ def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table
                     rows["entropy"].append(float(m.entropy[depth - 1]))
                     rows["depth"].append(depth)
                     rows["log_rho_ngram"].append(float(lr[j]))
+                    rows["log_rho_prefix"].append(float(lp[j]))
                     rows["p_target"].append(float(v.node_probs[c]))
                     rows["label"].append(float(c in accepted))
                     rows["group"].append(group)
@@ -220,10 +225,27 @@ def _sibling_log_likelihood(score: torch.Tensor, label: torch.Tensor, group: tor
     return total / max(1, n)
 
 
-def train_acceptance(cfg: AcceptanceConfig) -> dict:
+def trace_prompts(cfg: AcceptanceConfig, tok) -> list[list[int]]:
+    """Prompts the drafter never trained on: the tail of gen-data's plan (items past its
+    last shard) when the data has a plan, else the tail of ShareGPT's train split."""
     from presto_sd.app.datasets import load_prompts
-    from presto_sd.embedded.stack import build_embedded
     from presto_sd.models.loading import encode_messages
+
+    plan = Path(cfg.data) / "plan.json"
+    if plan.exists():
+        batches = json.loads(plan.read_text())["batches"]
+        done = len(list(Path(cfg.data).glob("shard_*.safetensors")))
+        tail = [ids for b in batches[done:] for _, ids in b]
+        if len(tail) >= cfg.n_prompts:
+            step = len(tail) // cfg.n_prompts  # spread over the tail: every source, every length
+            return tail[::step][: cfg.n_prompts]
+    prompts = load_prompts("sharegpt", "train")[-cfg.n_prompts :]
+    encoded = [encode_messages(tok, p.messages) for p in prompts]
+    return [e for e in encoded if len(e) <= 256]
+
+
+def train_acceptance(cfg: AcceptanceConfig) -> dict:
+    from presto_sd.embedded.stack import build_embedded
 
     out = Path(cfg.drafter)
     stack = build_embedded(cfg.target, cfg.drafter, device=torch.device("cpu"))
@@ -231,9 +253,7 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     table = build_ngram_table(cfg.data, cfg.ngram_order, vocab)
     table.save(out / "ngram.json.gz", min_count=cfg.ngram_min_count)
     table = NGramModel.load(out / "ngram.json.gz")  # score with exactly what ships
-    prompts = load_prompts("sharegpt", "train")[-cfg.n_prompts :]  # the tail: past gen-data's prefix
-    encoded = [encode_messages(stack.tokenizer, p.messages) for p in prompts]
-    encoded = [e for e in encoded if len(e) <= 256]
+    encoded = trace_prompts(cfg, stack.tokenizer)
     traces = collect_traces(stack, encoded, cfg, table)
     if cfg.keep_traces:
         torch.save(traces.__dict__, out / "traces.pt")
@@ -250,6 +270,9 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
         "hphi": fit_lambdas(held, log_rho_h, cfg.depth),
         "ngram": fit_lambdas(held, held.log_rho_ngram, cfg.depth),
     }
+    has_prefix = "prefix" in stack.drafter.rho_providers
+    if has_prefix:
+        fits["prefix"] = fit_lambdas(held, held.log_rho_prefix, cfg.depth)
     lambdas = {k: v[0] for k, v in fits.items()}
     ranking_gain = {k: round(v[1], 4) for k, v in fits.items()}
     report = {
@@ -258,12 +281,13 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
         "hphi": calibration(p_hphi, held.label),
         "ngram": calibration(held.log_rho_ngram.exp(), held.label),
         "marginal_q": calibration(held.log_q.exp(), held.label),
+        **({"prefix": calibration(held.log_rho_prefix.exp(), held.label)} if has_prefix else {}),
         "lambdas": lambdas,
         "sibling_loglik_gain": ranking_gain,
         "config": asdict(cfg),
     }
     # the default provider: the one that adds most to q's ranking of siblings (held-out)
-    best = max(("hphi", "ngram"), key=lambda k: ranking_gain[k])
+    best = max(fits, key=lambda k: ranking_gain[k])
     (out / "presto.json").write_text(json.dumps({"rho": best, "lambdas": lambdas[best],
                                                  "lambdas_by_rho": lambdas}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))
@@ -279,7 +303,10 @@ def plot_reliability(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], "k:", label="perfect")
-    for name, label in (("hphi", "h_phi"), ("ngram", "n-gram rho"), ("marginal_q", "marginal q")):
+    for name, label in (("hphi", "h_phi"), ("ngram", "n-gram rho"), ("prefix", "prefix head q(t|parent)"),
+                        ("marginal_q", "marginal q")):
+        if name not in report:
+            continue
         r = report[name]
         xs, ys = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]]
         ax.plot(xs, ys, "o-", label=f"{label} (AUC {r['auc']:.3f}, Brier {r['brier']:.3f})")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import random
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -63,7 +65,17 @@ _CODE_TEMPLATES = (
 
 
 def stdlib_functions() -> list[tuple[str, str, str, str]]:
-    """``(module, name, signature, first docstring paragraph)`` of public stdlib functions."""
+    """``(module, name, signature, first docstring paragraph)`` of public stdlib functions.
+
+    Importing every stdlib module has side effects (signal handlers, terminal state), so the
+    walk runs in a child interpreter.
+    """
+    proc = subprocess.run([sys.executable, "-c", "import json, presto_sd.app.training.corpus as c; "
+                           "print(json.dumps(c._walk_stdlib()))"], capture_output=True, text=True, check=True)
+    return [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _walk_stdlib() -> list[tuple[str, str, str, str]]:
     found = []
     names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in _SKIP_MODULES)
     for modname in names:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -40,6 +42,7 @@ class GenDataConfig:
     # training data needs no fp32, but bf16 only pays on a CPU with native bf16 (AVX512-BF16,
     # AMX): on an AVX2-only CPU a bf16 matmul is ~5x slower than fp32 (docs/training.md)
     dtype: str = "float32"
+    device: str = "cpu"  # "cuda" on a GPU (scripts/gpu_drafter.sh); features are written from the CPU
     temperature: float = 0.0  # 0 = greedy responses
     seed: int = 0
     max_batches: int = 0  # stop after this many shards (0 = all): a run cut short, reproducibly
@@ -57,7 +60,7 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     Tokenising ~50k chat prompts takes minutes on this CPU, so the plan is kept in ``cache``
     (keyed by every field that shapes it) and a restarted job reads it back.
     """
-    key = {k: v for k, v in asdict(cfg).items() if k not in ("out", "max_batches", "dtype")}
+    key = {k: v for k, v in asdict(cfg).items() if k not in ("out", "max_batches", "dtype", "device")}
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
@@ -106,7 +109,7 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(asdict(cfg), indent=2))
-    model, tok = load_target(cfg.target, torch.device("cpu"), getattr(torch, cfg.dtype))
+    model, tok = load_target(cfg.target, torch.device(cfg.device), getattr(torch, cfg.dtype))
     batches = plan_batches(cfg, tok, out / "plan.json")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = set(filter(None, [tok.eos_token_id])) | {2}
@@ -137,10 +140,10 @@ def generate_training_data(cfg: GenDataConfig) -> Path:
         tmp.rename(shard)  # atomic: a shard on disk is always whole
         n_new = sum(len(r) for r in responses)
         new_tokens += n_new
-        progress.write(json.dumps({"shard": b, "seqs": len(batch), "new_tokens": n_new,
-                                   "tokens": int(lens.sum()), "seconds": round(time.perf_counter() - t_shard, 2),
-                                   "bytes": shard.stat().st_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-                       + "\n")
+        row = {"shard": b, "seqs": len(batch), "new_tokens": n_new, "tokens": int(lens.sum()),
+               "seconds": round(time.perf_counter() - t_shard, 2), "bytes": shard.stat().st_size,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        progress.write(json.dumps(row) + "\n")
         progress.flush()
         bar.update(1)
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
@@ -161,14 +164,16 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
     layer_ids = cfg.target_layer_ids
 
     def layer_feats(o) -> torch.Tensor:
-        return torch.cat([o.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+        return torch.cat([o.hidden_states[i + 1] for i in layer_ids], dim=-1).to("cpu", torch.bfloat16)
 
+    dev = model.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
@@ -193,9 +198,10 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         if len(keep) == 0:
             break
         if len(keep) < len(rows):
+            rows, keep = rows[keep], keep.to(dev)
             cache.batch_select_indices(keep)
-            rows, attn, nxt, last_pos = rows[keep], attn[keep], nxt[keep], last_pos[keep]
-        attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype)], dim=1)
+            attn, nxt, last_pos = attn[keep], nxt[keep], last_pos[keep]
+        attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype, device=dev)], dim=1)
         last_pos = last_pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None],
                     use_cache=True, output_hidden_states=True, **kv)
@@ -209,18 +215,31 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
 
 @dataclass
 class Sequence:
+    """One training sequence; its features stay on disk until read (shards can outgrow RAM)."""
+
     tokens: torch.Tensor  # long [T]
-    features: torch.Tensor  # bf16 [T, F]
     prompt_len: int
+    shard: Path
+    start: int  # row of the first token in the shard's features
+
+    @property
+    def features(self) -> torch.Tensor:
+        """bf16 [T, F], read from the shard's memory map."""
+        return _open_shard(self.shard).get_slice("features")[self.start : self.start + len(self.tokens)]
+
+
+@lru_cache(maxsize=64)
+def _open_shard(path: Path):
+    return safe_open(path, "pt")
 
 
 def load_shards(data_dir: str | Path) -> list[Sequence]:
-    """Every sequence of every shard in ``data_dir``."""
+    """Every sequence of every shard in ``data_dir`` (tokens in memory, features on disk)."""
     seqs = []
     for f in sorted(Path(data_dir).glob("shard_*.safetensors")):
-        t = load_file(f)
-        off = t["offsets"].tolist()
+        with safe_open(f, "pt") as t:
+            tokens, off = t.get_tensor("tokens"), t.get_tensor("offsets").tolist()
+            plens = t.get_tensor("prompt_lens")
         for i in range(len(off) - 1):
-            seqs.append(Sequence(t["tokens"][off[i] : off[i + 1]].long(),
-                                 t["features"][off[i] : off[i + 1]], int(t["prompt_lens"][i])))
+            seqs.append(Sequence(tokens[off[i] : off[i + 1]].long(), int(plens[i]), f, off[i]))
     return seqs

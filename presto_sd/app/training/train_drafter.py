@@ -54,6 +54,9 @@ class TrainConfig:
     heldout_seqs: int = 64
     seed: int = 0
     init_from_target: bool = True
+    prefix_rank: int = 0  # rank of the prefix-conditioned head (0 = none; DFlash as published)
+    prefix_weight: float = 1.0  # weight of the conditional CE beside the marginal one
+    device: str = "cpu"  # "cuda" on a GPU (scripts/gpu_drafter.sh)
 
 
 def sequence_key(s: Sequence) -> str:
@@ -124,6 +127,7 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
     block_pos = torch.zeros(B, m * L, dtype=torch.long)
     labels = torch.full((B, m, L - 1), -100, dtype=torch.long)  # draft-vocab ids
     target_ids = torch.full((B, m, L - 1), -1, dtype=torch.long)  # target ids (accuracy)
+    parents = torch.full((B, m, L - 1), -1, dtype=torch.long)  # draft id of each slot's parent token
     mask = torch.zeros(B, 1, m * L, T + m * L, dtype=torch.bool)
     for b, s in enumerate(seqs):
         n = len(s.tokens)
@@ -139,12 +143,16 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
             tgt = s.tokens[a + 1 : a + L]
             target_ids[b, j, : len(tgt)] = tgt
             labels[b, j, : len(tgt)] = t2d[tgt]
-    return feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids
+            par = t2d[s.tokens[a : a + L - 1]]  # slot k's parent is the true token at k - 1
+            parents[b, j, : len(par)] = torch.where(par < 0, -1, par)
+    return feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids, parents
 
 
 def block_loss(model, head, embed, batch, cfg: TrainConfig):
-    """Position-weighted CE over block slots; per-position top-1 accuracy (target ids)."""
-    feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids = batch
+    """Position-weighted CE over block slots, plus the prefix head's conditional CE (its
+    parents teacher-forced: in a tree, a node's children are scored given its own token);
+    predictions of both for per-position top-1 accuracy (target ids)."""
+    feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids, parents = batch
     B, mL = block_ids.shape
     L = cfg.block_size
     ctx_kv = model.context_kv(feats, ctx_pos)
@@ -152,12 +160,19 @@ def block_loss(model, head, embed, batch, cfg: TrainConfig):
     hidden = hidden.view(B, mL // L, L, -1)[:, :, 1:]  # predictions for slots 1..L-1
     logits = hidden @ head.T  # [B, m, L-1, Vd]
     weights = torch.exp(-torch.arange(L - 1, dtype=torch.float32) / cfg.gamma)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), ignore_index=-100, reduction="none")
-    ce = ce.view_as(labels)
     valid = (labels >= 0).float()
-    loss = (ce * valid * weights).sum() / (valid * weights).sum().clamp_min(1)
-    pred = logits.argmax(-1)
-    return loss, pred, target_ids
+
+    def weighted_ce(lg: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(lg.flatten(0, 2), labels.flatten(), ignore_index=-100, reduction="none")
+        return (ce.view_as(labels) * valid * weights).sum() / (valid * weights).sum().clamp_min(1)
+
+    loss = weighted_ce(logits)
+    pred, pred_cond = logits.argmax(-1), None
+    if model.prefix_head is not None:
+        cond = logits + model.prefix_head(hidden, parents)
+        loss = loss + cfg.prefix_weight * weighted_ce(cond)
+        pred_cond = cond.argmax(-1)
+    return loss, pred, target_ids, pred_cond
 
 
 class DraftVocab:
@@ -174,7 +189,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     meta = json.loads((Path(cfg.data) / "meta.json").read_text())
     target, _ = load_target(cfg.target or meta.get("target"), torch.device("cpu"), torch.float32)
-    embed = target.get_input_embeddings().weight.detach()
+    dev = torch.device(cfg.device)
+    embed = target.get_input_embeddings().weight.detach().to(dev)
     seqs = load_shards(cfg.data)
     rng.shuffle(seqs)
     ckpt = out / "train_state.pt"
@@ -199,10 +215,15 @@ def train_drafter(cfg: TrainConfig) -> Path:
         mask_token_id=cfg.mask_token_id, target_layer_ids=list(meta["target_layer_ids"])
     )
     dcfg["rope_parameters"] = dict(target.config.rope_parameters or {"rope_theta": 10000.0})
+    if len(d2t) < vocab_size:
+        dcfg["dflash_config"]["draft_vocab_size"] = len(d2t)
+    if cfg.prefix_rank:
+        dcfg["dflash_config"]["prefix_head_rank"] = cfg.prefix_rank
     model = DFlashDraftModel(DFlashConfig.from_dict(dcfg))
     if cfg.init_from_target and state is None:
         init_from_target(model, target, feature_scales(train))
-    head = target.get_output_embeddings().weight.detach()[d2t]
+    head = target.get_output_embeddings().weight.detach()[d2t].to(dev)
+    model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
     if state is not None:
@@ -217,9 +238,9 @@ def train_drafter(cfg: TrainConfig) -> Path:
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = make_batch(rng.sample(train, cfg.batch_seqs), cfg, vocab.t2d, rng)
+        batch = tuple(x.to(dev) for x in make_batch(rng.sample(train, cfg.batch_seqs), cfg, vocab.t2d, rng))
         model.train()
-        loss, pred, tids = block_loss(model, head, embed, batch, cfg)
+        loss, pred, tids, pred_cond = block_loss(model, head, embed, batch, cfg)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -227,9 +248,12 @@ def train_drafter(cfg: TrainConfig) -> Path:
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0:
-            acc = _position_accuracy(d2t[pred.clamp_min(0)], tids)
+            tids = tids.cpu()
+            acc = _position_accuracy(d2t[pred.clamp_min(0).cpu()], tids)
             rec = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "acc": acc,
                    "elapsed_s": round(time.perf_counter() - t0, 1)}
+            if pred_cond is not None:  # top-1 given the true parent: what a tree's children see
+                rec["acc_cond"] = _position_accuracy(d2t[pred_cond.clamp_min(0).cpu()], tids)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}")
@@ -242,10 +266,12 @@ def train_drafter(cfg: TrainConfig) -> Path:
     bar.close()
     model.eval()
     with torch.no_grad():
-        hb = make_batch(heldout, cfg, vocab.t2d, random.Random(1))
-        hl, hp, ht = block_loss(model, head, embed, hb, cfg)
+        hb = tuple(x.to(dev) for x in make_batch(heldout, cfg, vocab.t2d, random.Random(1)))
+        hl, hp, ht, hc = block_loss(model, head, embed, hb, cfg)
+        hp, ht, hc = hp.cpu(), ht.cpu(), hc.cpu() if hc is not None else None
     heldout_acc = _position_accuracy(d2t[hp.clamp_min(0)], ht)
     report = {"heldout_loss": round(hl.item(), 4), "heldout_acc": heldout_acc,
+              "heldout_acc_cond": _position_accuracy(d2t[hc.clamp_min(0)], ht) if hc is not None else None,
               "train_sequences": len(train), "train_tokens": sum(len(s.tokens) for s in train),
               "wall_s": round(time.perf_counter() - t0, 1), "config": asdict(cfg)}
     (out / "drafter" / "training_report.json").write_text(json.dumps(report, indent=2))
@@ -263,6 +289,6 @@ def save_drafter(model: DFlashDraftModel, d2t: torch.Tensor, path: Path, cfg: Tr
     from dataclasses import replace
 
     reduced = len(d2t) < model.config.vocab_size
-    model.config = replace(model.config, draft_vocab_size=len(d2t) if reduced else None)
+    model.config = replace(model.config, draft_vocab_size=len(d2t) if reduced else None)  # idempotent
     model.d2t = d2t if reduced else None
-    model.save(path)
+    model.save(path)  # DFlashDraftModel.save writes from the CPU

@@ -1,0 +1,264 @@
+"""Offline tau replay: what every tree builder would accept, without running the target.
+
+Greedy verification is deterministic: what a tree accepts at committed position ``n``
+depends only on the tree and the target's greedy continuation. So one recorded AR pass
+per prompt (the target's tokens, and the feature deltas a real run hands the drafter)
+stands in for the target: ``OracleVerifier`` answers ``verify`` by walking the tree
+against the recorded continuation, and the real generation loop runs the real drafter
+against it. Every round is therefore built at its own position, before later tokens are
+committed (the online n-gram never sees the future), and the loop's renewal walk (a
+round at ``n`` commits ``a + 1`` tokens; the next starts after them) is the loop itself:
+the tau it reports is the tau ``bench`` measures, at the cost of drafting only.
+
+Besides the walk, ``position_stats`` drafts once at *every* position of the recording
+and reports the drafter's recall@K per depth and the oracle accepted length over its
+top-K (the longest prefix of the continuation whose every token is in the top-K at its
+depth: what a tree holding all top-K combinations would accept).
+
+Timing-driven methods (``taps``, whose budgets follow the verify cost it observes) and
+sampling have no replay: the oracle's verify costs nothing and knows one continuation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from presto_sd.app.bench.methods import BenchContext, get_method
+from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, Job
+from presto_sd.app.bench.stats import RunLog
+from presto_sd.engine.drafter import Drafter
+from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, SessionNotFoundError, check_base
+from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyResult
+from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.tree import TokenTree
+
+# Methods whose rounds depend on measured time, not only on trees and tokens.
+NOT_REPLAYABLE = frozenset({"taps", "hf-prompt-lookup"})
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One prompt's greedy AR pass: the continuation and every token's features."""
+
+    prompt: tuple[int, ...]
+    continuation: tuple[int, ...]  # greedy tokens after the prompt (past any EOS)
+    features: torch.Tensor  # [len(prompt) + len(continuation) - 1, F]: every fed token's
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.prompt + self.continuation
+
+
+def record(
+    verifier: Verifier, prompt: Sequence[int], new_tokens: int, session_id: str = "replay"
+) -> Recording:
+    """Greedy AR decoding of ``new_tokens`` tokens with the verifier's own prefill and steps.
+
+    The features are the deltas a real run's drafter receives (prefill, then one per
+    step), so the drafter sees what it would see online. No stop ids: a tree may accept
+    past an EOS before the loop truncates, so the oracle must know what follows it.
+    """
+    pre = verifier.prefill(session_id, list(prompt), SamplingParams())
+    try:
+        cont, feats, base, anchor = [pre.anchor], [pre.delta.features], pre.base, pre.anchor
+        while len(cont) < new_tokens:
+            res = verifier.verify(session_id, base, TokenTree.root_only(anchor))
+            feats.append(res.delta.features)
+            cont.append(res.bonus)
+            base, anchor = res.base, res.bonus
+    finally:
+        verifier.close(session_id)
+    return Recording(tuple(prompt), tuple(cont), torch.cat(feats).float())
+
+
+@dataclass
+class _OracleSession:
+    base: int
+    anchor: int
+
+
+@dataclass
+class OracleVerifier(Verifier):
+    """A verifier that knows the target's greedy continuation of one recorded prompt."""
+
+    recording: Recording
+    target_info: VerifierInfo
+    sessions: dict[str, _OracleSession] = field(default_factory=dict)
+
+    def info(self) -> VerifierInfo:
+        return self.target_info
+
+    def _delta(self, start: int, end: int) -> FeatureDelta:
+        r = self.recording
+        if end > len(r.features):
+            raise InvalidArgumentError(
+                f"replay: position {end} is past the recording ({len(r.features)} fed tokens); "
+                "record more tokens"
+            )
+        return FeatureDelta(start, r.tokens[start:end], r.features[start:end])
+
+    def prefill(self, session_id, token_ids, sampling=SamplingParams(), anchor=None) -> PrefillResult:
+        r = self.recording
+        if sampling.temperature != 0:
+            raise InvalidArgumentError("replay: greedy only (sampled acceptance is not deterministic)")
+        if tuple(token_ids) != r.prompt or (anchor is not None and anchor != r.continuation[0]):
+            raise InvalidArgumentError("replay: this oracle knows only its recorded prompt")
+        self.sessions[session_id] = _OracleSession(len(r.prompt), r.continuation[0])
+        return PrefillResult(r.continuation[0], self._delta(0, len(r.prompt)), len(r.prompt))
+
+    def verify(self, session_id, base, tree: TokenTree, want_node_probs=False) -> VerifyResult:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise SessionNotFoundError(f"replay: unknown session {session_id!r}")
+        check_base(session_id, s.base, base)
+        seq = self.recording.tokens
+        node, accepted, path = 0, [], [0]
+        while True:  # greedy walk: follow the child carrying the target's next token
+            nxt = base + len(accepted) + 1
+            if nxt >= len(seq):
+                raise InvalidArgumentError(f"replay: position {nxt} is past the recording; record more")
+            child = next((c for c in tree.children(node) if tree.tokens[c] == seq[nxt]), None)
+            if child is None:
+                break
+            accepted.append(seq[nxt])
+            path.append(child)
+            node = child
+        new_base = base + len(accepted) + 1
+        delta = self._delta(base, new_base)
+        s.base, s.anchor = new_base, seq[new_base]
+        return VerifyResult(tuple(accepted), seq[new_base], delta, new_base, None, tuple(path))
+
+    def anchor(self, session_id: str) -> int:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise SessionNotFoundError(f"replay: unknown session {session_id!r}")
+        return s.anchor
+
+    def close(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+
+def replay_jobs(config: BenchConfig) -> list[Job]:
+    return [j for j in config.jobs() if j.method not in NOT_REPLAYABLE and j.method != "ar"]
+
+
+def replay_bench(
+    verifier: Verifier,
+    drafter: Drafter,
+    prompts: Sequence[BenchPrompt],
+    config: BenchConfig,
+    progress: bool = True,
+    recordings: dict[str, Recording] | None = None,
+) -> tuple[list[RunLog], dict[str, Recording]]:
+    """Every replayable job of ``config`` on every prompt; one ``RunLog`` each (no timings)."""
+    if not config.greedy:
+        raise ValueError("replay: greedy only (--temperature 0)")
+    jobs = replay_jobs(config)
+    if not jobs:
+        raise ValueError(f"replay: nothing to replay among {config.methods} (not: {sorted(NOT_REPLAYABLE)})")
+    recordings = dict(recordings or {})
+    depth = max(config.job_params(j, 0).tree.depth for j in jobs)
+    logs: list[RunLog] = []
+    bar = tqdm(total=len(prompts) * (len(jobs) + 1), desc="replay", unit="gen", disable=not progress)
+    try:
+        for i, prompt in enumerate(prompts):
+            key = f"{prompt.dataset}/{prompt.id}"
+            if key not in recordings:
+                recordings[key] = record(verifier, prompt.token_ids, config.params.max_new_tokens + depth + 1)
+            bar.update()
+            ctx = BenchContext(OracleVerifier(recordings[key], verifier.info()), drafter)
+            for job in jobs:
+                params = config.job_params(job, i)
+                res = get_method(job.method).run(ctx, list(prompt.token_ids), params)
+                logs.append(RunLog(
+                    dataset=prompt.dataset, prompt_id=prompt.id, method=job.method, budget=job.budget,
+                    token_ids=list(res.token_ids), rounds=list(res.rounds), prefill_s=0.0, decode_s=0.0,
+                    finish_reason=res.finish_reason, params=get_method(job.method).describe(ctx, params)))
+                bar.update()
+    finally:
+        bar.close()
+    return logs, recordings
+
+
+@dataclass
+class PositionStats:
+    """Per-position drafter quality over a set of recordings (positions = committed tokens)."""
+
+    top_k: int
+    depth: int
+    positions: int = 0
+    hits: torch.Tensor = field(init=False)  # [D, K] count of "target token is the drafter's k-th"
+    oracle_len: list[int] = field(default_factory=list)  # per position, accepted over all top-K
+    top1_len: list[int] = field(default_factory=list)  # per position, accepted by the top-1 chain
+
+    def __post_init__(self) -> None:
+        self.hits = torch.zeros(self.depth, self.top_k, dtype=torch.long)
+
+    def recall(self, k: int) -> list[float]:
+        """recall@k per depth: the share of positions whose target token is in the top-k."""
+        return [round(float(self.hits[d, :k].sum()) / max(1, self.positions), 4) for d in range(self.depth)]
+
+    def summary(self) -> dict[str, Any]:
+        ks = sorted({1, 2, 4, 8, self.top_k} & set(range(1, self.top_k + 1)))
+        n = max(1, len(self.oracle_len))
+        return {"positions": self.positions, "top_k": self.top_k,
+                "recall": {str(k): self.recall(k) for k in ks},
+                "oracle_accept_mean": round(sum(self.oracle_len) / n, 4),
+                "top1_accept_mean": round(sum(self.top1_len) / n, 4)}
+
+
+def position_stats(
+    drafter: Drafter, recordings: Sequence[Recording], new_tokens: int, top_k: int = 16,
+    progress: bool = True,
+) -> PositionStats:
+    """Draft at every position of each recording's first ``new_tokens`` (one token committed at a time)."""
+    depth = drafter.info().block_size - 1
+    stats = PositionStats(top_k, depth)
+    params = TreeParams(method="linear", budget=depth, depth=depth, top_k=top_k)
+    bar = tqdm(total=len(recordings) * new_tokens, desc="positions", unit="pos", disable=not progress)
+    for r in recordings:
+        seq, p = r.tokens, len(r.prompt)
+        sid = "replay-positions"
+        drafter.prefill(sid, FeatureDelta(0, r.prompt, r.features[:p]))
+        try:
+            for n in range(p, min(p + new_tokens, len(seq) - depth - 1)):
+                m = drafter.draft(sid, seq[n], n, params).marginals
+                truth = torch.tensor(seq[n + 1 : n + 1 + m.depth])
+                match = m.token_ids[:, :top_k] == truth[:, None]  # [D, K]
+                stats.hits[: m.depth] += match.long()
+                stats.positions += 1
+                in_top = match.any(-1).tolist() + [False]
+                stats.oracle_len.append(in_top.index(False))
+                first = match[:, 0].tolist() + [False]
+                stats.top1_len.append(first.index(False))
+                drafter.commit(sid, FeatureDelta(n, (seq[n],), r.features[n : n + 1]))
+                bar.update()
+        finally:
+            drafter.close(sid)
+    bar.close()
+    return stats
+
+
+def replay_rows(logs: Sequence[RunLog]) -> list[dict[str, Any]]:
+    """tau and mean tree size per (dataset, method, budget), then pooled ``all`` rows."""
+    from presto_sd.app.bench.stats import table_rows
+
+    keep = ("dataset", "method", "budget", "prompts", "rounds", "new_tokens", "tau", "mean_tree_size",
+            "params")
+    return [{k: row[k] for k in keep} for row in table_rows(logs, greedy=True)]
+
+
+def save_recordings(path, recordings: dict[str, Recording]) -> None:
+    torch.save({k: (r.prompt, r.continuation, r.features.to(torch.float32)) for k, r in recordings.items()},
+               path)
+
+
+def load_recordings(path) -> dict[str, Recording]:
+    raw = torch.load(path, weights_only=False)
+    return {k: Recording(tuple(p), tuple(c), f) for k, (p, c, f) in raw.items()}

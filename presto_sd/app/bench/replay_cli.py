@@ -1,0 +1,63 @@
+"""``presto-sd bench --replay``: the replay's outputs (``replay.json``, a printed table)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from presto_sd.app.bench.replay import (
+    load_recordings,
+    position_stats,
+    replay_bench,
+    replay_rows,
+    save_recordings,
+)
+from presto_sd.app.bench.runner import BenchConfig, BenchPrompt
+from presto_sd.models.cache import cache_dir
+
+
+def _recordings_path(args: argparse.Namespace, target: str, prompts: list[BenchPrompt], dtype: str) -> Path:
+    if args.recordings:
+        return Path(args.recordings)
+    key = json.dumps([target, dtype, args.max_new_tokens, [p.token_ids for p in prompts]])
+    return cache_dir("replay") / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], config: BenchConfig,
+               out: Path, meta: dict[str, Any]) -> int:
+    info = stack.verifier.info()
+    rec_path = _recordings_path(args, info.model, prompts, info.dtype)
+    recordings = load_recordings(rec_path) if rec_path.exists() else {}
+    t0 = time.perf_counter()
+    logs, recordings = replay_bench(stack.verifier, stack.drafter, prompts, config,
+                                    progress=not args.no_progress, recordings=recordings)
+    save_recordings(rec_path, recordings)
+    t1 = time.perf_counter()
+    datasets = list(dict.fromkeys(p.dataset for p in prompts))
+    positions = {}
+    for ds in datasets:
+        recs = [recordings[f"{p.dataset}/{p.id}"] for p in prompts if p.dataset == ds]
+        positions[ds] = position_stats(stack.drafter, recs, config.params.max_new_tokens,
+                                       args.positions_top_k, progress=not args.no_progress).summary()
+    rows = replay_rows(logs)
+    result = {**meta, "replay": True, "recordings": str(rec_path),
+              "wall_s": {"walk": round(t1 - t0, 1), "positions": round(time.perf_counter() - t1, 1)},
+              "rows": rows, "positions": positions}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(json.dumps(result, indent=2))
+    print("| dataset | method | budget | tau | mean tree |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dataset']} | {r['method']} | {r['budget'] or ''} | {r['tau']:.3f} | "
+              f"{r['mean_tree_size']:.1f} |")
+    print("\n| dataset | top-1 @ depth 1..3 | top-16 @ depth 1 | oracle top-K accept | top-1 chain accept |")
+    print("|---|---|---|---|---|")
+    for ds, s in positions.items():
+        r1, rk = s["recall"]["1"], s["recall"][str(s["top_k"])]
+        print(f"| {ds} | {' / '.join(f'{x:.3f}' for x in r1[:3])} | {rk[0]:.3f} | "
+              f"{s['oracle_accept_mean']:.3f} | {s['top1_accept_mean']:.3f} |")
+    print(f"\nwrote {out}/replay.json (recordings: {rec_path})")
+    return 0

@@ -1,0 +1,77 @@
+"""Offline tau replay: the same rounds as ``bench`` on tiny models, without the target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from presto_sd.app.bench.replay import OracleVerifier, position_stats, record, replay_bench, replay_rows
+from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, run_bench
+from presto_sd.app.bench.stats import table_rows
+from presto_sd.engine.messages import InvalidArgumentError, StaleBaseError
+from presto_sd.loop.generate import GenerationParams
+from presto_sd.method.builders import TreeParams
+from presto_sd.method.tree import TokenTree
+from tests.conftest import make_engines
+
+PROMPTS = [
+    BenchPrompt("alpha", "a0", (0, 3, 5, 7)),
+    BenchPrompt("alpha", "a1", (0, 1, 1, 2, 3, 5, 8, 13)),
+    BenchPrompt("beta", "b0", (0, 9, 4, 9, 4, 9)),
+]
+METHODS = ("ar", "linear", "marginal", "presto-beam", "presto-best-first")
+
+
+def _config(n: int = 20, stop: tuple[int, ...] = ()) -> BenchConfig:
+    params = GenerationParams(tree=TreeParams(depth=6), max_new_tokens=n, stop_token_ids=stop)
+    return BenchConfig(METHODS, (2, 8), params, warmup=False)
+
+
+@pytest.mark.parametrize("stop", [(), (3,)])
+def test_replay_tau_equals_bench(tiny_target, stop):
+    verifier, drafter = make_engines(tiny_target)
+    config = _config(stop=stop)
+    measured = run_bench(verifier, drafter, PROMPTS, config, progress=False)
+    replayed, _ = replay_bench(verifier, drafter, PROMPTS, config, progress=False)
+    real = {(r.dataset, r.prompt_id, r.method, r.budget): r for r in measured}
+    assert len(replayed) == len(measured) - len(PROMPTS)  # every job but ar
+    for r in replayed:
+        m = real[(r.dataset, r.prompt_id, r.method, r.budget)]
+        assert r.token_ids == m.token_ids
+        assert [(x.accepted, x.tree_size) for x in r.rounds] == [(x.accepted, x.tree_size) for x in m.rounds]
+    want = {(x["dataset"], x["method"], x["budget"]): x["tau"] for x in table_rows(measured, True)}
+    rows = replay_rows(replayed)
+    assert rows and all(x["tau"] == want[(x["dataset"], x["method"], x["budget"])] for x in rows)
+    assert max(x["tau"] for x in rows) > 1.0  # trees really accept on the tiny target
+
+
+def test_oracle_walks_the_recorded_continuation(tiny_target):
+    verifier, _ = make_engines(tiny_target)
+    rec = record(verifier, [0, 3, 5, 7], 10)
+    assert len(rec.continuation) == 10 and rec.features.shape[0] == 4 + 10 - 1
+    oracle = OracleVerifier(rec, verifier.info())
+    pre = oracle.prefill("s", [0, 3, 5, 7])
+    c = rec.continuation
+    # a chain of the next two true tokens and one wrong sibling: both true ones accepted
+    wrong = (c[1] + 1) % 16
+    tree = TokenTree.from_lists([pre.anchor, wrong, c[1], c[2]], [-1, 0, 0, 2])
+    res = oracle.verify("s", pre.base, tree)
+    assert res.accepted == (c[1], c[2]) and res.bonus == c[3] and res.base == pre.base + 3
+    assert torch.equal(res.delta.features, rec.features[pre.base : pre.base + 3])
+    with pytest.raises(StaleBaseError):
+        oracle.verify("s", pre.base, tree)
+    with pytest.raises(InvalidArgumentError):
+        oracle.prefill("t", [1, 2])
+
+
+def test_position_stats(tiny_target):
+    verifier, drafter = make_engines(tiny_target)
+    recs = [record(verifier, list(p.token_ids), 30) for p in PROMPTS]
+    stats = position_stats(drafter, recs, 12, top_k=4, progress=False)
+    s = stats.summary()
+    assert stats.positions == 3 * 12
+    r1, r4 = s["recall"]["1"], s["recall"]["4"]
+    assert all(0 <= a <= b <= 1 for a, b in zip(r1, r4))
+    assert s["top1_accept_mean"] <= s["oracle_accept_mean"]
+    # the top-1 chain's accepted length is the linear builder's, position by position
+    assert stats.top1_len.count(0) / stats.positions == pytest.approx(1 - r1[0], abs=1e-3)
