@@ -94,13 +94,9 @@ class ReplicaSpec:
 
 def _load_local(kind: str, target: str | None, drafter: str | None) -> Any:
     """The in-process engine, as ``presto-sd serve`` loads it."""
-    if kind == "verifier":
-        from verifier_service.servicer import load_verifier
+    from presto_sd.embedded.stack import load_drafter, load_verifier
 
-        return load_verifier(target, drafter)
-    from drafter_service.servicer import load_drafter
-
-    return load_drafter(target, drafter)[0]
+    return load_verifier(target, drafter) if kind == "verifier" else load_drafter(target, drafter)
 
 
 def _connect_remote(kind: str, address: str, config: ClientConfig) -> Any:

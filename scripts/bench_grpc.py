@@ -124,7 +124,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from drafter_service.remote import RemoteDrafter
-    from presto_sd.app.cli import encode_prompt
+    from presto_sd.app.generate import encode_prompt
     from presto_sd.embedded.stack import build_embedded
     from presto_sd.loop.generate import GenerationParams
     from presto_sd.method.builders import TreeParams

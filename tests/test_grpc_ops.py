@@ -264,7 +264,7 @@ def _spawn(kind: str) -> tuple[subprocess.Popen, queue.Queue]:
 def test_smollm2_over_grpc_with_real_servers(capsys):
     import torch
 
-    from presto_sd.app import cli
+    from presto_sd.app import cli, generate
     from presto_sd.models.loading import eos_token_ids, load_target
 
     servers = {kind: _spawn(kind) for kind in ("verifier", "drafter")}
@@ -275,7 +275,7 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
         model, tok = load_target(device=torch.device("cpu"))
         eos = set(eos_token_ids(model, tok))
         text = "Write a Python function that reverses a string."
-        prompt = cli.encode_prompt(tok, text, chat=True)
+        prompt = generate.encode_prompt(tok, text, chat=True)
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):]
         capsys.readouterr()

@@ -9,8 +9,10 @@ silently applied. The errors map one-to-one onto gRPC status codes (DESIGN.md §
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the thin clients import these errors without loading torch
+    import torch
 
 
 class EngineError(Exception):

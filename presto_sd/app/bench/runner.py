@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from presto_sd.app.bench import hf_lookup  # noqa: F401 (the transformers peer registers itself)
 from presto_sd.app.bench.methods import BenchContext, get_method
 from presto_sd.app.bench.stats import RunLog, table_rows
 from presto_sd.engine.drafter import Drafter
