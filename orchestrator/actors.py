@@ -1,4 +1,4 @@
-"""Ray actors that each hold one engine: a drafter or a verifier replica (DESIGN.md §3).
+"""Ray actors that each hold one engine: a drafter or a verifier replica (docs/design.md §3).
 
 An actor builds its engine in its own process from a picklable factory: the in-process
 engines (``load_local``: the models loaded inside the actor) or the gRPC clients of

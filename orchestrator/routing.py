@@ -1,4 +1,4 @@
-"""Replicas, session affinity and continuous batching (DESIGN.md §3).
+"""Replicas, session affinity and continuous batching (docs/design.md §3).
 
 - A ``Replica`` is the driver's handle on one engine actor: calls with a deadline, the
   engine's named errors re-raised, and a health backoff after it fails (unreachable, dead,

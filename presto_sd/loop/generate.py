@@ -1,4 +1,4 @@
-"""The embedded generation loop over any ``Drafter`` / ``Verifier`` pair (DESIGN.md §3).
+"""The embedded generation loop over any ``Drafter`` / ``Verifier`` pair (docs/design.md §3).
 
     verifier.prefill(prompt)             -> anchor b, features F[0:n]
     drafter.prefill(F)

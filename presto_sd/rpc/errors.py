@@ -1,4 +1,4 @@
-"""Engine errors <-> gRPC status codes, both directions, in one place (DESIGN.md §3).
+"""Engine errors <-> gRPC status codes, both directions, in one place (docs/design.md §3).
 
     InvalidArgumentError  INVALID_ARGUMENT     malformed tree / tensor / parameter
     SessionNotFoundError  NOT_FOUND            unknown, closed or expired session
