@@ -23,17 +23,11 @@ from dataclasses import dataclass, field
 import ray
 
 from orchestrator.actors import EngineStats, ReplicaSpec, start_actor
+from orchestrator.batching import VerifyBatcher
 from orchestrator.metrics import Metrics
+from orchestrator.replicas import Replica, ReplicaPool, Timeouts
 from orchestrator.requests import ChunkStats, GenerateJob, StreamChunk
-from orchestrator.routing import (
-    Replica,
-    ReplicaPool,
-    Route,
-    RoutedDrafter,
-    RoutedVerifier,
-    Timeouts,
-    VerifyBatcher,
-)
+from orchestrator.routing import Route, RoutedDrafter, RoutedVerifier
 from presto_sd.engine.messages import EngineError, LimitExceededError
 from presto_sd.loop.generate import TokenChunk, stream_generate
 from presto_sd.method.methods import get_method
