@@ -75,3 +75,31 @@ def test_position_stats(tiny_target):
     assert s["top1_accept_mean"] <= s["oracle_accept_mean"]
     # the top-1 chain's accepted length is the linear builder's, position by position
     assert stats.top1_len.count(0) / stats.positions == pytest.approx(1 - r1[0], abs=1e-3)
+
+
+# Floors well under what the shipped drafter reaches on these prompts (docs/training.md):
+# a broken or mismatched checkpoint (tau ~1.0, top-1 ~0) cannot pass.
+SHIPPED_FLOORS = {"linear": 1.2, "marginal": 1.4, "top1": 0.25}
+
+
+@pytest.mark.smollm2
+def test_shipped_drafter_still_accepts():
+    """The shipped drafter on the real target, judged by the replay (a few prompts of our own)."""
+    from presto_sd.app.cli import encode_prompt
+    from presto_sd.embedded.stack import build_embedded
+
+    stack = build_embedded(device=torch.device("cpu"))
+    texts = ["What is the capital of France? Answer in one sentence.",
+             "Write a Python function that returns the largest of three numbers.",
+             "Tom has 3 boxes with 12 pencils each. He gives away 7 pencils. How many are left?"]
+    prompts = [BenchPrompt("own", str(i), tuple(encode_prompt(stack.tokenizer, t, chat=True)))
+               for i, t in enumerate(texts)]
+    eos = stack.verifier.eos_token_ids
+    params = GenerationParams(tree=TreeParams(), max_new_tokens=48, stop_token_ids=eos)
+    config = BenchConfig(("linear", "marginal"), (16,), params, warmup=False)
+    logs, recordings = replay_bench(stack.verifier, stack.drafter, prompts, config, progress=False)
+    taus = {r["method"]: r["tau"] for r in replay_rows(logs)}
+    assert taus["linear"] >= SHIPPED_FLOORS["linear"], taus
+    assert taus["marginal"] >= SHIPPED_FLOORS["marginal"], taus
+    stats = position_stats(stack.drafter, list(recordings.values()), 32, top_k=4, progress=False)
+    assert stats.recall(1)[0] >= SHIPPED_FLOORS["top1"], stats.summary()

@@ -119,6 +119,15 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     assert model.config.prefix_head_rank == 8 and model.prefix_head is not None
     assert model.prefix_head.next.abs().sum() > 0  # it learnt something
 
+    # a head alone on a frozen drafter: the drafter's weights do not move
+    frozen = train_drafter(TrainConfig(
+        data=str(data), out=str(tmp_path / "head-only"), target=str(tiny_target_dir), draft_vocab=64,
+        anchors_per_seq=4, batch_seqs=4, steps=5, warmup=1, ckpt_every=5, heldout_seqs=1,
+        prefix_rank=4, init_drafter=str(drafter_dir), prefix_only=True))
+    again = DFlashDraftModel.load(frozen)
+    assert again.config.prefix_head_rank == 4 and torch.equal(again.fc.weight, model.fc.weight)
+    assert torch.equal(again.d2t, model.d2t)
+
     stack = build_embedded(str(tiny_target_dir), str(drafter_dir), device=torch.device("cpu"))
     assert "prefix" in stack.drafter.rho_providers
     prompt = [1, 2, 3, 4, 5]

@@ -16,6 +16,7 @@ from presto_sd.app.bench.replay import (
     replay_rows,
     save_recordings,
 )
+from presto_sd.app.bench.report import run_record
 from presto_sd.app.bench.runner import BenchConfig, BenchPrompt
 from presto_sd.models.cache import cache_dir
 
@@ -49,6 +50,9 @@ def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], conf
               "rows": rows, "positions": positions}
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps(result, indent=2))
+    with open(out / "replay_runs.jsonl", "w") as f:  # every walk's rounds, as bench's runs.jsonl
+        for r in logs:
+            f.write(json.dumps(run_record(r)) + "\n")
     print("| dataset | method | budget | tau | mean tree |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dataset']} | {r['method']} | {r['budget'] or ''} | {r['tau']:.3f} | "

@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -57,6 +57,10 @@ class TrainConfig:
     prefix_rank: int = 0  # rank of the prefix-conditioned head (0 = none; DFlash as published)
     prefix_weight: float = 1.0  # weight of the conditional CE beside the marginal one
     device: str = "cpu"  # "cuda" on a GPU (scripts/gpu_drafter.sh)
+    # start from a trained drafter dir (its weights and token map) instead of the target;
+    # with prefix_only, train just a new prefix head on top of it, the drafter frozen
+    init_drafter: str = ""
+    prefix_only: bool = False
 
 
 def sequence_key(s: Sequence) -> str:
@@ -203,28 +207,50 @@ def train_drafter(cfg: TrainConfig) -> Path:
         heldout, train = seqs[: cfg.heldout_seqs], seqs[cfg.heldout_seqs :]
     vocab_size = target.config.vocab_size
     eos = [2] if vocab_size > 2 else []
+    base = DFlashDraftModel.load(cfg.init_drafter) if cfg.init_drafter else None
+    if base is not None:  # the blocks are the drafter's
+        cfg = replace(cfg, block_size=base.config.block_size, num_layers=base.config.num_hidden_layers)
+    if cfg.prefix_only and (base is None or not cfg.prefix_rank):
+        raise ValueError("prefix_only trains a new prefix head on --init-drafter: give it and --prefix-rank")
     if state is not None:
         d2t = state["d2t"]
+    elif base is not None:
+        d2t = base.d2t if base.d2t is not None else torch.arange(vocab_size)
     elif cfg.draft_vocab:
         d2t = build_draft_vocab(train, cfg.draft_vocab, vocab_size, eos)
     else:
         d2t = torch.arange(vocab_size)
     vocab = DraftVocab(d2t, vocab_size)
-    dcfg = random_drafter_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size)
-    dcfg["dflash_config"].update(
-        mask_token_id=cfg.mask_token_id, target_layer_ids=list(meta["target_layer_ids"])
-    )
-    dcfg["rope_parameters"] = dict(target.config.rope_parameters or {"rope_theta": 10000.0})
-    if len(d2t) < vocab_size:
-        dcfg["dflash_config"]["draft_vocab_size"] = len(d2t)
-    if cfg.prefix_rank:
-        dcfg["dflash_config"]["prefix_head_rank"] = cfg.prefix_rank
-    model = DFlashDraftModel(DFlashConfig.from_dict(dcfg))
-    if cfg.init_from_target and state is None:
-        init_from_target(model, target, feature_scales(train))
+    if base is not None:  # its architecture, plus the head asked for
+        rank = cfg.prefix_rank or base.config.prefix_head_rank
+        model = DFlashDraftModel(replace(base.config, prefix_head_rank=rank))
+        # a --prefix-rank asks for a new head: the base's own (if any) is not carried over
+        kept = {k: v for k, v in base.state_dict().items()
+                if not (cfg.prefix_rank and k.startswith("prefix_head."))}
+        model.load_state_dict(kept, strict=False)
+        if tuple(meta["target_layer_ids"]) != model.config.target_layer_ids:
+            raise ValueError(f"data has target layers {meta['target_layer_ids']}, the drafter reads "
+                             f"{model.config.target_layer_ids}")
+    else:
+        dcfg = random_drafter_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size)
+        dcfg["dflash_config"].update(
+            mask_token_id=cfg.mask_token_id, target_layer_ids=list(meta["target_layer_ids"])
+        )
+        dcfg["rope_parameters"] = dict(target.config.rope_parameters or {"rope_theta": 10000.0})
+        if len(d2t) < vocab_size:
+            dcfg["dflash_config"]["draft_vocab_size"] = len(d2t)
+        if cfg.prefix_rank:
+            dcfg["dflash_config"]["prefix_head_rank"] = cfg.prefix_rank
+        model = DFlashDraftModel(DFlashConfig.from_dict(dcfg))
+        if cfg.init_from_target and state is None:
+            init_from_target(model, target, feature_scales(train))
+    if cfg.prefix_only:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith("prefix_head."))
     head = target.get_output_embeddings().weight.detach()[d2t].to(dev)
     model = model.to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     step = 0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -286,8 +312,6 @@ def _position_accuracy(pred: torch.Tensor, target_ids: torch.Tensor) -> list[flo
 
 
 def save_drafter(model: DFlashDraftModel, d2t: torch.Tensor, path: Path, cfg: TrainConfig) -> None:
-    from dataclasses import replace
-
     reduced = len(d2t) < model.config.vocab_size
     model.config = replace(model.config, draft_vocab_size=len(d2t) if reduced else None)  # idempotent
     model.d2t = d2t if reduced else None
