@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from presto_sd.app.flags import client_config, csv, parse_lambdas
@@ -24,8 +25,9 @@ class Stack:
     drafter: Any  # Drafter | None (remote engines without --drafter-addr: AR only)
     tokenizer: Any
 
-    @property
+    @cached_property
     def drafter_info(self):
+        """Its name and fitted defaults (asked once: over gRPC, Info is a call)."""
         return self.drafter.info() if self.drafter is not None else None
 
     @property
