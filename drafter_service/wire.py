@@ -7,6 +7,7 @@ import torch
 from presto_pb.v1 import drafter_pb2 as pb
 from presto_sd.engine.drafter import DrafterInfo, DraftResult
 from presto_sd.method.scores import DraftMarginals
+from presto_sd.models.assets import DrafterDefaults
 from presto_sd.rpc.wire import tensor_from_pb, tensor_to_pb, tree_from_pb, tree_to_pb
 
 NO_MARGINALS = DraftMarginals(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1), torch.zeros(0))
@@ -51,17 +52,23 @@ def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
 
 
 def info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
+    d = i.defaults
     return pb.DrafterInfo(
         block_size=i.block_size, target_layer_ids=i.target_layer_ids, mask_token_id=i.mask_token_id,
         vocab_size=i.vocab_size, methods=i.methods, rho_providers=i.rho_providers, name=i.name,
-        default_rho=i.default_rho or "", default_lambdas=i.default_lambdas, max_sessions=i.max_sessions,
+        default_rho=d.rho or "", default_lambdas=d.lambdas, max_sessions=i.max_sessions,
+        lambdas_by_rho={rho: pb.Lambdas(values=lams) for rho, lams in d.lambdas_by_rho.items()},
     )
 
 
 def info_from_pb(msg: pb.DrafterInfo) -> DrafterInfo:
+    defaults = DrafterDefaults(
+        rho=msg.default_rho or None, lambdas=tuple(msg.default_lambdas),
+        lambdas_by_rho={rho: tuple(lams.values) for rho, lams in sorted(msg.lambdas_by_rho.items())},
+    )
     return DrafterInfo(
         block_size=msg.block_size, target_layer_ids=tuple(msg.target_layer_ids),
         mask_token_id=msg.mask_token_id, vocab_size=msg.vocab_size, methods=tuple(msg.methods),
-        rho_providers=tuple(msg.rho_providers), name=msg.name, default_rho=msg.default_rho or None,
-        default_lambdas=tuple(msg.default_lambdas), max_sessions=msg.max_sessions,
+        rho_providers=tuple(msg.rho_providers), name=msg.name, defaults=defaults,
+        max_sessions=msg.max_sessions,
     )

@@ -1,4 +1,4 @@
-"""Ray actors that each hold one engine: a drafter or a verifier replica (DESIGN.md §3).
+"""Ray actors that each hold one engine: a drafter or a verifier replica (docs/design.md §3).
 
 An actor builds its engine in its own process from a picklable factory: the in-process
 engines (``load_local``: the models loaded inside the actor) or the gRPC clients of
@@ -94,13 +94,9 @@ class ReplicaSpec:
 
 def _load_local(kind: str, target: str | None, drafter: str | None) -> Any:
     """The in-process engine, as ``presto-sd serve`` loads it."""
-    if kind == "verifier":
-        from verifier_service.servicer import load_verifier
+    from presto_sd.embedded.stack import load_drafter, load_verifier
 
-        return load_verifier(target, drafter)
-    from drafter_service.servicer import load_drafter
-
-    return load_drafter(target, drafter)[0]
+    return load_verifier(target, drafter) if kind == "verifier" else load_drafter(target, drafter)
 
 
 def _connect_remote(kind: str, address: str, config: ClientConfig) -> Any:

@@ -19,47 +19,13 @@ from typing import Any
 
 import grpc
 
-from orchestrator.orchestrator import ChunkStats, StreamChunk
+from orchestrator.pb import Prompt, chunk_from_pb, make_request
+from orchestrator.requests import StreamChunk
 from presto_pb.v1 import common_pb2, orchestrator_pb2_grpc
 from presto_pb.v1 import orchestrator_pb2 as pb
 from presto_sd.engine.messages import UnavailableError
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.errors import error_from_rpc
-
-Prompt = str | Sequence[dict] | Sequence[int]
-
-
-def make_request(
-    prompt: Prompt,
-    method: str | None = None,
-    tree: dict[str, Any] | None = None,
-    sampling: dict[str, Any] | None = None,
-    max_new_tokens: int | None = None,
-    stop: Sequence[str] = (),
-    chat: bool = True,
-    request_id: str = "",
-) -> pb.GenerateRequest:
-    msg = pb.GenerateRequest(
-        method=method, tree=common_pb2.TreeParams(**(tree or {})),
-        sampling=common_pb2.SamplingParams(**(sampling or {})), max_new_tokens=max_new_tokens,
-        stop=list(stop), no_chat=not chat, request_id=request_id,
-    )
-    if isinstance(prompt, str):
-        msg.text = prompt
-    elif prompt and all(isinstance(m, dict) for m in prompt):
-        msg.messages.CopyFrom(pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in prompt]))
-    else:
-        msg.token_ids.CopyFrom(pb.TokenIds(ids=list(prompt)))
-    return msg
-
-
-def chunk_from_pb(msg: pb.GenerateChunk) -> StreamChunk:
-    stats = None
-    if msg.HasField("stats"):
-        s = msg.stats
-        stats = ChunkStats(s.accepted, s.tree_size, s.draft_s, s.verify_s, s.queue_s, s.transfer_s,
-                           s.fallback, s.gated)
-    return StreamChunk(tuple(msg.token_ids), msg.text, stats, msg.finish_reason or None)
 
 
 class OrchestratorClient:

@@ -1,4 +1,4 @@
-"""The orchestrator's metrics, through ``ray.util.metrics`` (DESIGN.md §3, operations).
+"""The orchestrator's metrics, through ``ray.util.metrics`` (docs/design.md §3, operations).
 
 Ray's per-node metrics agent (``ray[default]``) exports them for Prometheus on the node's
 metrics export port (``ray start --metrics-export-port``, or ``ray.init(_metrics_export_

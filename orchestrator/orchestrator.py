@@ -17,54 +17,22 @@ import asyncio
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import ray
 
 from orchestrator.actors import EngineStats, ReplicaSpec, start_actor
+from orchestrator.batching import VerifyBatcher
 from orchestrator.metrics import Metrics
-from orchestrator.routing import (
-    Replica,
-    ReplicaPool,
-    Route,
-    RoutedDrafter,
-    RoutedVerifier,
-    Timeouts,
-    VerifyBatcher,
-)
+from orchestrator.replicas import Replica, ReplicaPool, Timeouts
+from orchestrator.requests import ChunkStats, GenerateJob, StreamChunk
+from orchestrator.routing import Route, RoutedDrafter, RoutedVerifier
 from presto_sd.engine.messages import EngineError, LimitExceededError
-from presto_sd.loop.generate import GenerationParams, TokenChunk, stream_generate
+from presto_sd.loop.generate import TokenChunk, stream_generate
+from presto_sd.method.methods import get_method
 
 _END = object()  # the stream's end marker, after the last chunk or the error
-
-
-@dataclass(frozen=True)
-class GenerateJob:
-    prompt_ids: tuple[int, ...]
-    params: GenerationParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass(frozen=True)
-class ChunkStats:
-    accepted: int  # draft tokens accepted this round (tau counts these + 1)
-    tree_size: int  # draft nodes verified, root excluded
-    draft_s: float  # drafter engine time in the round (draft + commit)
-    verify_s: float  # verifier engine time of the batch the round was in
-    queue_s: float  # waiting for the verifier replica to be free
-    transfer_s: float  # the rest of the round's wall time: Ray / gRPC transport, routing
-    fallback: bool = False  # a plain AR step: the drafter could not give a tree
-    gated: bool = False  # a plain AR step: taps's draft gate was shut
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    tokens: tuple[int, ...]
-    text: str  # the text these tokens add ("" without a tokenizer)
-    stats: ChunkStats | None  # None for the prefill's first token
-    finish_reason: str | None = None  # on the last chunk: "eos" | "stop" | "length"
 
 
 @dataclass(frozen=True)
@@ -96,9 +64,9 @@ class RequestStream:
         self._cancelled.set()
 
     def _run(self) -> None:
-        job, method = self.job, self.job.params.method
+        job, method = self.job, get_method(self.job.params.method)
         finish = "cancelled"
-        stream = stream_generate(self.verifier, self.drafter if method != "ar" else None,
+        stream = stream_generate(self.verifier, self.drafter if method.needs_drafter else None,
                                  list(job.prompt_ids), job.params, self.orch.detokenize, job.request_id)
         try:
             t0 = time.perf_counter()

@@ -1,8 +1,5 @@
-"""Replicas, session affinity and continuous batching (DESIGN.md §3).
+"""Session affinity: each request's engines, routed to the replicas holding its sessions (docs/design.md §3).
 
-- A ``Replica`` is the driver's handle on one engine actor: calls with a deadline, the
-  engine's named errors re-raised, and a health backoff after it fails (unreachable, dead,
-  too slow).
 - Each request holds its drafter and verifier sessions on one replica each (its
   ``Route``). ``RoutedDrafter`` / ``RoutedVerifier`` implement the engine interfaces for
   that request, so ``stream_generate`` and the fault links of ``faults.py`` run unchanged
@@ -11,100 +8,24 @@
   the session on the healthiest other replica, where it is unknown (NOT_FOUND), and the
   links rebuild it: the drafter from the logged feature deltas, the verifier from the
   committed tokens with the pending anchor.
-- ``VerifyBatcher``: per verifier replica, whatever verify calls are queued when the
-  replica is free go out as ONE ``verify_batch`` (continuous batching); requests not in
-  the batch draft meanwhile on the drafter replicas.
+- Verify calls go through the replica's ``VerifyBatcher`` (``batching.py``); replicas and
+  their health are ``replicas.py``'s.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
-
-from orchestrator.actors import Outcome, ReplicaSpec
+from orchestrator.batching import VerifyBatcher
 from orchestrator.metrics import Metrics
+from orchestrator.replicas import Replica, ReplicaPool
 from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
-from presto_sd.engine.messages import (
-    DrafterUnavailableError,
-    EngineError,
-    FeatureDelta,
-    SessionNotFoundError,
-    UnavailableError,
-    VerifierUnavailableError,
-)
+from presto_sd.engine.messages import EngineError, FeatureDelta
 from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    drafter_s: float = 30.0  # past this a round goes on without a tree
-    verifier_s: float = 120.0  # a verify batch, with the queue in front of it
-    prefill_s: float = 300.0
-    retry_s: float = 0.5  # a failed replica is skipped this long, doubling up to retry_max_s
-    retry_max_s: float = 8.0
-
-
-class Replica:
-    def __init__(self, spec: ReplicaSpec, actor: Any, timeouts: Timeouts, metrics: Metrics) -> None:
-        self.kind, self.name, self.actor = spec.kind, spec.name, actor
-        self.timeouts, self.metrics = timeouts, metrics
-        self.unavailable = DrafterUnavailableError if spec.kind == "drafter" else VerifierUnavailableError
-        self.sessions: set[str] = set()  # requests whose session lives here
-        self.down_until, self._wait = 0.0, timeouts.retry_s
-        self.dead = False  # its actor is gone for good (no restarts left)
-
-    @property
-    def healthy(self) -> bool:
-        return not self.dead and time.monotonic() >= self.down_until
-
-    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Outcome:
-        """``engine.method(*args)`` in the actor; refusals raise the engine's named error."""
-        if timeout_s is None:
-            timeout_s = self.timeouts.drafter_s if self.kind == "drafter" else self.timeouts.verifier_s
-        try:
-            out: Outcome = ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
-        except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
-            self.dead = self.dead or isinstance(e, ActorDiedError)
-            self._failed("UNAVAILABLE")
-            raise self.unavailable(f"{self.kind} replica {self.name}: {type(e).__name__}") from None
-        self.metrics.busy(self.kind, self.name, out.busy_s)
-        if out.error is not None:
-            self._failed(out.error.code, isinstance(out.error, UnavailableError))
-            raise out.error
-        self._wait = self.timeouts.retry_s
-        return out
-
-    def _failed(self, code: str, down: bool = True) -> None:
-        self.metrics.error(self.kind, code)
-        if down:
-            self.down_until = time.monotonic() + self._wait
-            self._wait = min(2 * self._wait, self.timeouts.retry_max_s)
-
-
-class ReplicaPool:
-    def __init__(self, replicas: Sequence[Replica]) -> None:
-        if not replicas:
-            raise ValueError("a pool needs at least one replica")
-        self.replicas = list(replicas)
-        self.lock = threading.Lock()
-
-    def pick(self) -> Replica:
-        """The healthy replica holding the fewest sessions; if none is healthy, the one back soonest."""
-        healthy = [r for r in self.replicas if r.healthy]
-        if healthy:
-            return min(healthy, key=lambda r: len(r.sessions))
-        return min(self.replicas, key=lambda r: (r.dead, r.down_until))
 
 
 @dataclass
@@ -197,7 +118,6 @@ class RoutedVerifier(_Routed, Verifier):
                  batchers: dict[Replica, VerifyBatcher]) -> None:
         super().__init__(pool, route, metrics)
         self.batchers = batchers
-        self._anchor: int | None = None
         self._prefills = 0
 
     def info(self) -> VerifierInfo:
@@ -212,7 +132,6 @@ class RoutedVerifier(_Routed, Verifier):
         out = replica.call("prefill", session_id, token_ids, sampling, anchor,
                            timeout_s=replica.timeouts.prefill_s)
         self.route.verifier_s += out.busy_s
-        self._anchor = out.value.anchor
         return out.value
 
     def verify(
@@ -224,75 +143,8 @@ class RoutedVerifier(_Routed, Verifier):
         self.route.queue_s += queue_s
         if isinstance(res, BaseException):
             raise res
-        self._anchor = res.bonus
         return res
 
     def calibrate_cost(self):
         """TAPS's cost model: the replica's own (an in-process verifier measures its forwards)."""
         return self._home().call("calibrate_cost", timeout_s=self.pool.replicas[0].timeouts.prefill_s).value
-
-    def anchor(self, session_id: str) -> int:
-        if self._anchor is None:
-            raise SessionNotFoundError(f"verifier session {session_id!r} was never opened")
-        return self._anchor
-
-
-class VerifyBatcher:
-    """Continuous batching for one verifier replica, on its own thread."""
-
-    def __init__(self, replica: Replica, max_batch: int,
-                 on_batch: Callable[[Replica, int, float], None]) -> None:
-        self.replica, self.max_batch, self.on_batch = replica, max_batch, on_batch
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
-        self._thread.start()
-
-    def submit(self, call: VerifyCall) -> Future:
-        """A future of ``(VerifyResult | EngineError, batch engine seconds, queued seconds)``."""
-        fut: Future = Future()
-        self._queue.put((call, fut, time.monotonic()))
-        return fut
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while batch[-1] is not None and len(batch) < self.max_batch:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stopping = batch[-1] is None
-            batch = [b for b in batch if b is not None]
-            if batch:
-                self._send(batch)
-            if stopping:
-                return
-
-    def _send(self, batch: list[tuple[VerifyCall, Future, float]]) -> None:
-        start = time.monotonic()
-        try:
-            out = self.replica.call("verify_batch", [c for c, _, _ in batch])
-        except EngineError as e:  # the whole call failed (replica away): every request sees it
-            for _, fut, _ in batch:
-                fut.set_exception(_copy(e))
-            return
-        except BaseException as e:  # noqa: BLE001 - a bug: fail the requests, keep the batcher
-            for _, fut, _ in batch:
-                fut.set_exception(e)
-            return
-        self.on_batch(self.replica, len(batch), out.busy_s)
-        for (_, fut, queued), res in zip(batch, out.value):
-            if isinstance(res, EngineError):
-                self.replica.metrics.error("verifier", res.code)
-            fut.set_result((res, out.busy_s, start - queued))
-
-
-def _copy(e: EngineError) -> EngineError:
-    """One exception object per waiting thread (a shared one would mix their tracebacks)."""
-    try:
-        return type(e)(*e.args)
-    except TypeError:
-        return e

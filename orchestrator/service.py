@@ -14,12 +14,15 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from orchestrator.orchestrator import GenerateJob, Orchestrator, StreamChunk
+from orchestrator.orchestrator import Orchestrator
+from orchestrator.pb import chunk_to_pb
+from orchestrator.requests import GenerateJob
 from presto_pb.v1 import orchestrator_pb2 as pb
 from presto_pb.v1 import orchestrator_pb2_grpc
+from presto_sd.engine.drafter import DrafterInfo
 from presto_sd.engine.messages import InvalidArgumentError
-from presto_sd.loop.generate import GenerationParams
-from presto_sd.method.builders import METHODS
+from presto_sd.loop.generate import GenerationParams, ResultCollector
+from presto_sd.method.methods import METHOD_NAMES, get_method
 from presto_sd.models.loading import encode_messages
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import (
@@ -31,7 +34,6 @@ from presto_sd.rpc.wire import (
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 add_to_server = orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server
-METHOD_NAMES = ("ar", *METHODS)
 ROLES = ("system", "user", "assistant")
 
 
@@ -40,6 +42,19 @@ class ServiceDefaults:
     params: GenerationParams  # stop_token_ids: the target's EOS
     model: str = ""
     drafter: str = "random"
+    drafter_info: DrafterInfo | None = None  # its fitted PRESTO settings fill in rho and lambdas
+    rho: str | None = None  # the server's --rho, if given (else the drafter's, per method)
+    lambdas: tuple[float, ...] | None = None  # the server's --lambda, if given (else per rho)
+
+    def tree_settings(self, method: str, rho: str | None, lambdas: tuple[float, ...] | None):
+        """``(rho, lambdas)`` of a request as ``generate`` makes them embedded: what the request
+        sets, else the server's flags, else the drafter's fitted ones for the method and rho."""
+        info, tree = self.drafter_info, self.params.tree
+        if info is None:  # no drafter settings to fill in from: the server's own
+            return (rho if rho is not None else tree.rho, lambdas if lambdas is not None else tree.lambdas)
+        return info.defaults.tree_settings(
+            rho if rho is not None else self.rho, lambdas if lambdas is not None else self.lambdas,
+            get_method(method).wants_calibrated_rho, info.rho_providers)
 
 
 # -- requests ---------------------------------------------------------------------------
@@ -77,10 +92,14 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer) -
     if method not in METHOD_NAMES:
         raise InvalidArgumentError(f"method = {method!r}: one of {', '.join(METHOD_NAMES)}")
     tree, sampling = tree_params_from_pb(msg.tree), sampling_from_pb(msg.sampling)  # checked
+    given = {k: getattr(tree, k) for k in _given(msg.tree)}
+    given["rho"], given["lambdas"] = defaults.tree_settings(method, given.get("rho"), given.get("lambdas"))
+    if "method" not in given:
+        given["method"] = get_method(method).tree_method
     try:  # the dataclasses validate the combination and name the field
         params = replace(
             d, method=method,
-            tree=replace(d.tree, **{k: getattr(tree, k) for k in _given(msg.tree)}),
+            tree=replace(d.tree, **given),
             sampling=replace(d.sampling, **{k: getattr(sampling, k) for k in _given(msg.sampling)}),
             max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else d.max_new_tokens,
             stop_strings=tuple(msg.stop),
@@ -94,38 +113,16 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer) -
 
 
 # -- answers ----------------------------------------------------------------------------
-def chunk_to_pb(chunk: StreamChunk, request_id: str) -> pb.GenerateChunk:
-    msg = pb.GenerateChunk(token_ids=chunk.tokens, text=chunk.text,
-                           finish_reason=chunk.finish_reason or "", request_id=request_id)
-    if chunk.stats is not None:
-        s = chunk.stats
-        msg.stats.CopyFrom(pb.ChunkStats(
-            accepted=s.accepted, tree_size=s.tree_size, draft_s=s.draft_s, verify_s=s.verify_s,
-            queue_s=s.queue_s, transfer_s=s.transfer_s, fallback=s.fallback, gated=s.gated))
-    return msg
-
-
 async def collect(orch: Orchestrator, job: GenerateJob) -> pb.GenerateResult:
     """Run one request to the end; its tokens, text and round summary."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    tokens: list[int] = []
-    text, finish, prefill_s, rounds = "", "", 0.0, []
+    out = ResultCollector()
     async for chunk in orch.astream(job):
-        if chunk.stats is None:
-            prefill_s = loop.time() - t0
-        else:
-            rounds.append(chunk.stats)
-        tokens.extend(chunk.tokens)
-        text += chunk.text
-        finish = chunk.finish_reason or finish
-    n = max(1, len(rounds))
+        out.add(chunk.tokens, chunk.stats, chunk.finish_reason, chunk.text)
+    res = out.result()
     return pb.GenerateResult(
-        request_id=job.request_id, token_ids=tokens, text=text, finish_reason=finish,
-        rounds=len(rounds), tau=sum(r.accepted + 1 for r in rounds) / n,
-        mean_tree_size=sum(r.tree_size for r in rounds) / n,
-        fallback_rounds=sum(r.fallback for r in rounds), prefill_s=prefill_s,
-        decode_s=loop.time() - t0 - prefill_s,
+        request_id=job.request_id, token_ids=res.token_ids, text=res.text, finish_reason=res.finish_reason,
+        rounds=len(res.rounds), tau=res.tau, mean_tree_size=res.mean_tree_size,
+        fallback_rounds=sum(r.fallback for r in res.rounds), prefill_s=res.prefill_s, decode_s=res.decode_s,
     )
 
 
@@ -138,8 +135,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
         job = job_from_pb(request, self.defaults, self.tokenizer)
+        tree = tree_params_to_pb(job.params.tree)  # told once, with the first chunk
         async for chunk in orch.astream(job):
-            yield chunk_to_pb(chunk, job.request_id)
+            yield chunk_to_pb(chunk, job.request_id, tree)
+            tree = None
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()

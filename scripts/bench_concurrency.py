@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args() -> argparse.Namespace:
-    from presto_sd.app.cli import _add_generation_args
+    from presto_sd.app.flags import add_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="embedded,distributed", help="embedded,distributed")
@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="also the embedded loop without Ray, sequential")
     p.add_argument("--plain-threads", type=int, default=1, help="torch threads of --plain (default: 1)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
-    _add_generation_args(p)
+    add_generation_args(p)
     args = p.parse_args()
     args.threads = args.threads or 1
     return args
@@ -109,14 +109,15 @@ def start_mode(mode: str, args: argparse.Namespace, children: list):
 def plain_rows(args: argparse.Namespace, encoded) -> dict:
     import torch
 
-    from presto_sd.app.cli import generation_params
+    from presto_sd.app.stack import generation_params
     from presto_sd.embedded.stack import build_embedded
     from presto_sd.loop.generate import generate
+    from presto_sd.method.methods import get_method
 
     torch.set_num_threads(args.plain_threads)
     stack = build_embedded(args.target, args.drafter)
-    params = generation_params(args, stack.verifier.eos_token_ids, stack.presto_defaults)
-    drafter = None if args.method == "ar" else stack.drafter
+    params = generation_params(args, stack.verifier.eos_token_ids, stack.drafter.info())
+    drafter = stack.drafter if get_method(args.method).needs_drafter else None
     generate(stack.verifier, drafter, list(encoded[0]), params)  # warm-up
     t0 = time.perf_counter()
     outs = [generate(stack.verifier, drafter, list(p), params) for p in encoded]
@@ -131,18 +132,15 @@ def main() -> None:
     import ray
     from tqdm import tqdm
 
-    from orchestrator.orchestrator import GenerateJob
-    from presto_sd.app.cli import generation_params
-    from presto_sd.models.loading import load_tokenizer, read_json, resolve_drafter
+    from orchestrator.requests import GenerateJob
+    from presto_sd.app.stack import generation_params
+    from presto_sd.models.loading import load_tokenizer
 
     args = parse_args()
     modes = [m for m in args.modes.split(",") if m]
     levels = [int(c) for c in args.concurrency.split(",")]
     tok = load_tokenizer(args.target)
     encoded = prompts(args, tok)
-    spec = resolve_drafter(args.drafter, args.target)
-    has = spec.path is not None and (spec.path / "presto.json").exists()
-    presto = read_json(spec.path / "presto.json") if has else {}
     rows = []
     if args.plain:
         rows.append(plain_rows(args, encoded))
@@ -153,7 +151,7 @@ def main() -> None:
         orch = start_mode(mode, args, children)
         try:  # the request defaults as `serve orchestrator` makes them (the verifier's EOS)
             eos = orch.verifiers.replicas[0].call("info").value.eos_token_ids
-            params = generation_params(args, eos, presto)
+            params = generation_params(args, eos, orch.drafters.replicas[0].call("info").value)
             list(orch.stream(GenerateJob(encoded[0], params)))  # warm-up
             for level in levels:
                 jobs = [GenerateJob(p, params) for p in encoded]

@@ -124,10 +124,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from drafter_service.remote import RemoteDrafter
-    from presto_sd.app.cli import encode_prompt
+    from presto_sd.app.generate import encode_prompt
     from presto_sd.embedded.stack import build_embedded
     from presto_sd.loop.generate import GenerationParams
     from presto_sd.method.builders import TreeParams
+    from presto_sd.method.methods import get_method
     from verifier_service.remote import RemoteVerifier
 
     servers = {kind: spawn(kind, args) for kind in ("verifier", "drafter")}
@@ -142,8 +143,8 @@ def main() -> None:
         modes = {"embedded": (stack.verifier, stack.drafter), "grpc": (remote_v, remote_d)}
         rows = []
         for method in args.method:
-            params = GenerationParams(method, TreeParams("linear" if method == "ar" else method, args.budget),
-                                      args.max_new_tokens)
+            m = get_method(method)
+            params = GenerationParams(method, TreeParams(m.tree_method, args.budget), args.max_new_tokens)
             pairs = []  # (embedded run, gRPC run) of the same request, back to back
             for _, _, lines in servers.values():
                 server_ms(lines)
@@ -152,8 +153,8 @@ def main() -> None:
             for rep in range(args.reps + 1):  # rep 0 warms up
                 for ids in prompts:
                     order = list(modes) if rep % 2 else list(modes)[::-1]
-                    out = {m: run(modes[m][0], None if method == "ar" else modes[m][1], ids, params)
-                           for m in order}
+                    out = {mode: run(modes[mode][0], modes[mode][1] if m.needs_drafter else None, ids, params)
+                           for mode in order}
                     assert out["grpc"]["tokens"] == out["embedded"]["tokens"]  # lossless both ways
                     grpc_rounds += out["grpc"]["rounds"]
                     if rep:
@@ -169,7 +170,7 @@ def main() -> None:
             emb_tok_s = sum(len(e["tokens"]) for e, _ in pairs) / sum(e["wall"] for e, _ in pairs)
             rpc_tok_s = sum(len(g["tokens"]) for _, g in pairs) / sum(g["wall"] for _, g in pairs)
             row = {
-                "method": method, "budget": None if method == "ar" else args.budget,
+                "method": method, "budget": args.budget if m.needs_drafter else None,
                 "requests": len(pairs), "embedded_tok_s": emb_tok_s, "grpc_tok_s": rpc_tok_s,
                 "ratio": rpc_tok_s / emb_tok_s,
                 "paired_ratio_median": statistics.median(per_round(e) / per_round(g) for e, g in pairs),

@@ -110,7 +110,7 @@ def test_config_and_parser_errors():
                                       "--methods", "ar,marginal", "--out", "x"])
     from presto_sd.app.bench.cli import bench_config
 
-    cfg = bench_config(args, (2,), {})
+    cfg = bench_config(args, (2,), None)  # no drafter: no fitted defaults
     assert cfg.budgets == (8, 16, 32) and cfg.methods == ("ar", "marginal")
     assert cfg.params.stop_token_ids == (2,) and cfg.params.max_new_tokens == 128
 

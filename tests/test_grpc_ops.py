@@ -61,7 +61,7 @@ def test_health_not_serving_before_load_and_while_draining(tiny_target):
             remote.prefill("s", [1, 2])
         server.attach(_verifier(tiny_target))
         assert _health(server.address) == SERVING
-        remote.prefill("s", [1, 2])
+        pre = remote.prefill("s", [1, 2])
 
         from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
             ProtoReflectionDescriptorDatabase,
@@ -72,11 +72,11 @@ def test_health_not_serving_before_load_and_while_draining(tiny_target):
         draining = submit(server.server.drain())
         time.sleep(0.3)
         assert _health(server.address) == NOT_SERVING
-        assert remote.step("s", 2).base == 3  # still answering while the balancers move away
+        assert remote.step("s", 2, pre.anchor).base == 3  # still answering while the balancers move away
         draining.result(10)
         drained = True
         with pytest.raises(VerifierUnavailableError):
-            remote.step("s", 3)
+            remote.step("s", 3, 0)
     finally:
         remote.shutdown()
         if not drained:
@@ -91,7 +91,7 @@ def test_idle_sessions_expire(tiny_target):
         remote.prefill("idle", [1, 2])
         time.sleep(0.6)
         with pytest.raises(SessionNotFoundError, match="idle"):
-            remote.step("idle", 2)
+            remote.step("idle", 2, 0)
     finally:
         remote.shutdown()
         server.stop()
@@ -264,7 +264,7 @@ def _spawn(kind: str) -> tuple[subprocess.Popen, queue.Queue]:
 def test_smollm2_over_grpc_with_real_servers(capsys):
     import torch
 
-    from presto_sd.app import cli
+    from presto_sd.app import cli, generate
     from presto_sd.models.loading import eos_token_ids, load_target
 
     servers = {kind: _spawn(kind) for kind in ("verifier", "drafter")}
@@ -275,7 +275,7 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
         model, tok = load_target(device=torch.device("cpu"))
         eos = set(eos_token_ids(model, tok))
         text = "Write a Python function that reverses a string."
-        prompt = cli.encode_prompt(tok, text, chat=True)
+        prompt = generate.encode_prompt(tok, text, chat=True)
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):]
         capsys.readouterr()

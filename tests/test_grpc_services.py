@@ -118,7 +118,8 @@ def test_bad_verifier_input_gets_its_code(tiny_target, stack):
          CODE.RESOURCE_EXHAUSTED, "max_context"),
         (stub.Step, verifier_pb2.StepRequest(session=common_pb2.SessionRef(session_id="nope", base=1)),
          CODE.NOT_FOUND, "'nope' not found"),
-        (stub.Step, verifier_pb2.StepRequest(session=common_pb2.SessionRef(session_id="bad-v", base=7)),
+        (stub.Step, verifier_pb2.StepRequest(session=common_pb2.SessionRef(session_id="bad-v", base=7),
+                                             anchor=ok.anchor),
          CODE.FAILED_PRECONDITION, "stale base 7"),
         (stub.Verify, verifier_pb2.VerifyRequest(session=ref, tree=common_pb2.TokenTree(
             tokens=[ok.anchor, 1, 2], parents=[-1, 0, 5])), CODE.INVALID_ARGUMENT, "tree.parents[2] = 5"),
@@ -141,7 +142,7 @@ def test_bad_verifier_input_gets_its_code(tiny_target, stack):
     for method, request, code, needle in bad:
         _call(method, request, code, needle)
     # the session the bad calls aimed at is intact: it still steps from where it was
-    res = stub.Step(verifier_pb2.StepRequest(session=ref), timeout=10)
+    res = stub.Step(verifier_pb2.StepRequest(session=ref, anchor=ok.anchor), timeout=10)
     assert res.base == ok.base + 1 and res.delta.start == ok.base
     stub.Close(common_pb2.CloseRequest(session_id="bad-v"), timeout=10)
 

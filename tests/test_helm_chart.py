@@ -418,7 +418,7 @@ def test_test_hook_command_line_parses(rendered, presto_cli):
 
 
 def test_schema_methods_are_the_cli_methods():
-    from presto_sd.app.cli import METHOD_CHOICES
+    from presto_sd.method.methods import METHOD_NAMES as METHOD_CHOICES
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["engine"]["properties"]["method"]["enum"] == list(METHOD_CHOICES)

@@ -145,7 +145,7 @@ def test_stop_strings(tiny_target):
 @pytest.mark.smollm2
 def test_smollm2_greedy_equals_ar():
     """Once on the real target: SmolLM2-135M-Instruct, a few chat prompts, 32 tokens."""
-    from presto_sd.app.cli import encode_prompt
+    from presto_sd.app.generate import encode_prompt
     from presto_sd.embedded.stack import build_embedded
 
     stack = build_embedded(device=torch.device("cpu"))

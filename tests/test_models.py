@@ -33,7 +33,8 @@ def test_drafter_resolution(tmp_path):
 
 
 def test_dtype_flag_is_the_same_on_every_command_and_parses_to_torch():
-    from presto_sd.app.cli import DTYPE_CHOICES, build_parser
+    from presto_sd.app.cli import build_parser
+    from presto_sd.app.flags import DTYPE_CHOICES
     from presto_sd.models.loading import DTYPE_NAMES, parse_dtype
 
     assert DTYPE_CHOICES == DTYPE_NAMES  # the CLI's copy, kept free of transformers

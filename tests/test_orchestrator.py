@@ -253,9 +253,9 @@ def test_verifier_lost_fails_after_the_retry_budget(stack):
 
 
 def test_chunk_stats_carry_taps_gated_rounds_over_the_wire_and_into_metrics():
-    from orchestrator.client import chunk_from_pb
     from orchestrator.metrics import Metrics
-    from orchestrator.orchestrator import ChunkStats, StreamChunk
+    from orchestrator.pb import chunk_from_pb
+    from orchestrator.requests import ChunkStats, StreamChunk
 
     chunk = StreamChunk((5,), "x", ChunkStats(0, 0, 0.0, 0.04, 0.0, 0.001, False, True), None)
     assert chunk_from_pb(service.chunk_to_pb(chunk, "r1")).stats == chunk.stats

@@ -13,15 +13,18 @@ import time
 
 import pytest
 import ray
+import torch
 
 from orchestrator.actors import remote_spec
-from orchestrator.orchestrator import GenerateJob, Orchestrator
+from orchestrator.orchestrator import Orchestrator
+from orchestrator.requests import GenerateJob
 from presto_sd.app import cli
 from presto_sd.loop.faults import FaultPolicy
 from presto_sd.loop.generate import GenerationParams
 from presto_sd.method.builders import TreeParams
+from presto_sd.method.scores import HPhi
 from presto_sd.models.loading import eos_token_ids, load_tokenizer
-from tests.conftest import hf_greedy, tiny_llama
+from tests.conftest import hf_greedy, tiny_drafter_model, tiny_llama
 from tests.orchestrator_util import alive, descendants, spawn_server
 from tests.rpc_util import wait_for
 
@@ -79,6 +82,59 @@ def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
             time.sleep(0.2)
         assert not alive(family), "orphans: " + ", ".join(
             open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:80] for p in alive(family))
+    finally:
+        if up.poll() is None:
+            up.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def fitted_drafter_dir(tiny_dir, tmp_path_factory):
+    """A drafter dir as ``train acceptance`` leaves it: an h_phi, and lambdas fitted per rho that
+    differ from depth 3 on (the shipped drafter's do too)."""
+    _, model, _ = tiny_dir
+    path = tmp_path_factory.mktemp("fitted-drafter")
+    tiny_drafter_model(model).save(path)
+    torch.manual_seed(0)
+    HPhi(hidden_size=32, embed_size=32, width=16).save(path / "h_phi")
+    fitted = {"ngram": [0.5, 1.0, 1.5], "hphi": [0.5, 1.0, 3.0]}
+    (path / "presto.json").write_text(json.dumps({"rho": "ngram", "lambdas": fitted["ngram"],
+                                                  "lambdas_by_rho": fitted}))
+    return path
+
+
+# before any test starts a Ray in this process, as above
+def test_the_same_flags_give_the_same_tree_tokens_and_tau_embedded_served_and_up(
+        tiny_dir, fitted_drafter_dir, capsys, tmp_path):
+    path, _, _ = tiny_dir
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--target", str(path), "--drafter",
+         str(fitted_drafter_dir), "--threads", "1", "--drain-s", "0", "--grace-s", "1"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    try:
+        line = up.stdout.readline()
+        assert line, (tmp_path / "up.log").read_text()[-3000:]
+        event = json.loads(line)
+        modes = {"embedded": [],
+                 "serve": ["--verifier-addr", event["verifier"], "--drafter-addr", event["drafter"]],
+                 "up": ["--orchestrator-addr", event["orchestrator"]]}
+        cases = {  # flags, and the lambdas they must give
+            "hphi": (["--method", "presto-beam", "--rho", "hphi"], [0.5, 1.0, 3.0]),
+            "default rho": (["--method", "presto-best-first"], [0.5, 1.0, 1.5]),
+            "given lambdas": (["--method", "presto-beam", "--rho", "hphi", "--lambda", "1,2"], [1.0, 2.0]),
+        }
+        for case, (flags, want) in cases.items():
+            common = ["Name three colors.", "--target", str(path), "--drafter", str(fitted_drafter_dir),
+                      "--budget", "8", "--max-new-tokens", "16", *flags]
+            out = {mode: _generate_json(capsys, *common, *extra) for mode, extra in modes.items()}
+            assert out["embedded"]["tree"]["lambdas"] == want, case
+            for mode in ("serve", "up"):
+                for key in ("tree", "token_ids", "tau", "drafter"):
+                    assert out[mode][key] == out["embedded"][key], (case, mode, key)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
     finally:
         if up.poll() is None:
             up.kill()

@@ -85,7 +85,7 @@ SHIPPED_FLOORS = {"linear": 1.2, "marginal": 1.4, "top1": 0.25}
 @pytest.mark.smollm2
 def test_shipped_drafter_still_accepts():
     """The shipped drafter on the real target, judged by the replay (a few prompts of our own)."""
-    from presto_sd.app.cli import encode_prompt
+    from presto_sd.app.generate import encode_prompt
     from presto_sd.embedded.stack import build_embedded
 
     stack = build_embedded(device=torch.device("cpu"))

@@ -51,7 +51,7 @@ def sample_pairs(model) -> torch.Tensor:
         res = v.verify("s", pre.base, tree)
         out = list(res.new_tokens)
         if len(out) < 2:
-            out.append(v.step("s", res.base).bonus)
+            out.append(v.step("s", res.base, res.bonus).bonus)
         counts[out[0], out[1]] += 1
         v.close("s")
     return counts

@@ -76,7 +76,7 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
     ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
     assert set(stack.drafter.rho_providers) >= {"ngram", "hphi"}
     for method, rho in (("linear", "ngram"), ("presto-beam", "hphi"), ("presto-best-first", "ngram")):
-        tree = TreeParams(method=method, budget=8, rho=rho, lambdas=tuple(stack.presto_defaults["lambdas"]))
+        tree = TreeParams(method=method, budget=8, rho=rho, lambdas=stack.assets.defaults.lambdas)
         res = generate(stack.verifier, stack.drafter, prompt,
                        GenerationParams(method=method, tree=tree, max_new_tokens=12))
         assert res.token_ids == ar.token_ids

@@ -86,7 +86,7 @@ def test_step_is_ar(tiny_target):
     pre = v.prefill("s", PROMPT)
     out, base = [pre.anchor], pre.base
     for _ in range(7):
-        r = v.step("s", base)
+        r = v.step("s", base, out[-1])
         out.append(r.bonus)
         base = r.base
     assert out == hf_greedy(tiny_target, PROMPT, 8)
@@ -120,7 +120,7 @@ def test_bad_trees_are_refused_and_the_session_survives(tiny_target, tokens, par
     # nothing was touched: the session goes on exactly as AR
     out, base = [a], pre.base
     for _ in range(4):
-        r = v.step("s", base)
+        r = v.step("s", base, out[-1])
         out.append(r.bonus)
         base = r.base
     assert out == hf_greedy(tiny_target, PROMPT, 5)
@@ -146,14 +146,14 @@ def test_empty_tree_and_prompt_are_refused(tiny_target):
 def test_unknown_session_and_stale_base(tiny_target):
     v = HFVerifier(tiny_target, (0, 2))
     with pytest.raises(SessionNotFoundError, match="nope"):
-        v.step("nope", 0)
+        v.step("nope", 0, 0)
     pre = v.prefill("s", PROMPT)
     with pytest.raises(StaleBaseError, match="stale base 3"):
-        v.step("s", 3)
-    r = v.step("s", pre.base)
+        v.step("s", 3, pre.anchor)
+    r = v.step("s", pre.base, pre.anchor)
     with pytest.raises(StaleBaseError):
-        v.step("s", pre.base)  # a replayed call: refused, not applied twice
-    assert v.step("s", r.base).base == r.base + 1
+        v.step("s", pre.base, pre.anchor)  # a replayed call: refused, not applied twice
+    assert v.step("s", r.base, r.bonus).base == r.base + 1
     v.close("s")
     with pytest.raises(SessionNotFoundError):
         v.close("s")
@@ -188,7 +188,7 @@ def test_a_failed_forward_leaves_the_session_intact(tiny_target, monkeypatch):
     assert v.sessions["s"].cache.layers[0].keys.shape[-2] == len(PROMPT)
     out, base = [pre.anchor], pre.base
     for _ in range(4):
-        r = v.step("s", base)
+        r = v.step("s", base, out[-1])
         out.append(r.bonus)
         base = r.base
     assert out == hf_greedy(tiny_target, PROMPT, 5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from presto_sd.engine.messages import EngineError, SessionNotFoundError, VerifierUnavailableError
+from presto_sd.engine.messages import EngineError, VerifierUnavailableError
 from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.cost_model import CostFit
@@ -31,7 +31,6 @@ class RemoteVerifier(Verifier):
         self.rpc = RpcClient(address, config or ClientConfig(), VerifierUnavailableError)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.rpc.channel)
         self.timeout_s, self.prefill_timeout_s = timeout_s, prefill_timeout_s
-        self._anchors: dict[str, int] = {}  # pending anchor per session, from the last answer
         self._info: VerifierInfo | None = None
 
     def info(self, fresh: bool = False) -> VerifierInfo:
@@ -58,15 +57,13 @@ class RemoteVerifier(Verifier):
         request = verifier_pb2.VerifierPrefillRequest(
             session_id=session_id, token_ids=token_ids, sampling=sampling_to_pb(sampling), anchor=anchor
         )
-        res = wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
-        self._anchors[session_id] = res.anchor
-        return res
+        return wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
 
     def verify(
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
         request = wire.verify_call_to_pb(VerifyCall(session_id, base, tree, want_node_probs))
-        return self._committed(session_id, self.rpc.call(self.stub.Verify, request, self.timeout_s))
+        return wire.verify_result_from_pb(self.rpc.call(self.stub.Verify, request, self.timeout_s))
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
         """One ``VerifyBatch`` call; a failure of the whole call is every item's error."""
@@ -81,28 +78,13 @@ class RemoteVerifier(Verifier):
         if len(answers) != len(calls):
             error = RemoteError("INTERNAL", f"VerifyBatch: {len(answers)} answers to {len(calls)} items")
             return [error] * len(calls)
-        for c, a in zip(calls, answers):
-            if isinstance(a, VerifyResult):
-                self._anchors[c.session_id] = a.bonus
         return answers
 
-    def step(self, session_id: str, base: int) -> VerifyResult:
-        request = verifier_pb2.StepRequest(session=session_ref_to_pb(session_id, base))
-        return self._committed(session_id, self.rpc.call(self.stub.Step, request, self.timeout_s))
-
-    def _committed(self, session_id: str, msg: verifier_pb2.VerifyResponse) -> VerifyResult:
-        res = wire.verify_result_from_pb(msg)
-        self._anchors[session_id] = res.bonus
-        return res
-
-    def anchor(self, session_id: str) -> int:
-        """The pending anchor as of this client's last call on the session."""
-        if session_id not in self._anchors:
-            raise SessionNotFoundError(f"session {session_id!r} was not opened by this client")
-        return self._anchors[session_id]
+    def step(self, session_id: str, base: int, anchor: int) -> VerifyResult:
+        request = verifier_pb2.StepRequest(session=session_ref_to_pb(session_id, base), anchor=anchor)
+        return wire.verify_result_from_pb(self.rpc.call(self.stub.Step, request, self.timeout_s))
 
     def close(self, session_id: str) -> None:
-        self._anchors.pop(session_id, None)
         self.rpc.call(self.stub.Close, common_pb2.CloseRequest(session_id=session_id), self.timeout_s)
 
     def shutdown(self) -> None:

@@ -6,11 +6,10 @@ Errors become status codes in the server's one interceptor (``presto_sd.rpc.serv
 from __future__ import annotations
 
 import grpc
-import torch
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.engine.messages import EngineError
-from presto_sd.engine.verifier import VerifierLimits, VerifyCall
+from presto_sd.engine.verifier import VerifyCall
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import sampling_from_pb, session_id_from, session_ref_from_pb, tree_from_pb
@@ -45,7 +44,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
 
     async def Step(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
-        return wire.verify_result_to_pb(await self.run(context, "step", sid, base))
+        return wire.verify_result_to_pb(await self.run(context, "step", sid, base, request.anchor))
 
     async def Close(self, request, context: grpc.aio.ServicerContext):
         await self.run(context, "close", session_id_from(request.session_id))
@@ -54,30 +53,3 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
     async def Info(self, request, context: grpc.aio.ServicerContext):
         return wire.info_to_pb(self.ready().info())
 
-
-def load_verifier(
-    target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
-    dtype: torch.dtype | None = None,
-):
-    """The target as an ``HFVerifier`` emitting the features the drafter was trained on,
-    its cost model calibrated (a few seconds of forwards, before the server is SERVING)."""
-    from presto_sd.embedded.hf_verifier import HFVerifier
-    from presto_sd.models.dflash import DFlashConfig
-    from presto_sd.models.loading import (
-        eos_token_ids,
-        load_target,
-        random_drafter_config,
-        read_json,
-        resolve_drafter,
-    )
-
-    model, tok = load_target(target, dtype=dtype)
-    spec = resolve_drafter(drafter, target)
-    config = read_json(spec.path / "config.json") if spec.path else random_drafter_config(model.config)
-    layer_ids = DFlashConfig.from_dict(config).target_layer_ids
-    verifier = HFVerifier(
-        model, layer_ids, VerifierLimits(max_sessions=max_sessions),
-        eos_token_ids=eos_token_ids(model, tok), name=target or "SmolLM2-135M-Instruct",
-    )
-    verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
-    return verifier

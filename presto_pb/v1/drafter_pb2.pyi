@@ -76,7 +76,14 @@ class CommitResponse(_message.Message):
     def __init__(self, base: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("block_size", "target_layer_ids", "mask_token_id", "vocab_size", "methods", "rho_providers", "name", "default_rho", "default_lambdas", "max_sessions")
+    __slots__ = ("block_size", "target_layer_ids", "mask_token_id", "vocab_size", "methods", "rho_providers", "name", "default_rho", "default_lambdas", "max_sessions", "lambdas_by_rho")
+    class LambdasByRhoEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Lambdas
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Lambdas, _Mapping]] = ...) -> None: ...
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +94,7 @@ class DrafterInfo(_message.Message):
     DEFAULT_RHO_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_LAMBDAS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAMBDAS_BY_RHO_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     mask_token_id: int
@@ -97,4 +105,11 @@ class DrafterInfo(_message.Message):
     default_rho: str
     default_lambdas: _containers.RepeatedScalarFieldContainer[float]
     max_sessions: int
-    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ..., rho_providers: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., default_rho: _Optional[str] = ..., default_lambdas: _Optional[_Iterable[float]] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    lambdas_by_rho: _containers.MessageMap[str, Lambdas]
+    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ..., rho_providers: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., default_rho: _Optional[str] = ..., default_lambdas: _Optional[_Iterable[float]] = ..., max_sessions: _Optional[int] = ..., lambdas_by_rho: _Optional[_Mapping[str, Lambdas]] = ...) -> None: ...
+
+class Lambdas(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -72,18 +72,20 @@ class ChunkStats(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., tree_size: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., fallback: _Optional[bool] = ..., gated: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "stats", "finish_reason", "request_id")
+    __slots__ = ("token_ids", "text", "stats", "finish_reason", "request_id", "tree")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     stats: ChunkStats
     finish_reason: str
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[ChunkStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tree: _common_pb2.TreeParams
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[ChunkStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("requests",)

@@ -68,10 +68,12 @@ class VerifyBatchResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyBatchItem, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "anchor")
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
     session: _common_pb2.SessionRef
-    def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ...) -> None: ...
+    anchor: int
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., anchor: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "bonus", "delta", "base", "node_probs", "accepted_nodes")

@@ -1,20 +1,29 @@
-"""``presto-sd serve drafter|verifier``, and the remote engines of ``presto-sd generate``.
+"""``presto-sd serve drafter|verifier|orchestrator``: each as a gRPC service.
 
     presto-sd serve verifier --port 50052 [--target T] [--drafter D]
     presto-sd serve drafter  --port 50051 [--target T] [--drafter D]
-    presto-sd generate "PROMPT" --drafter-addr localhost:50051 --verifier-addr localhost:50052
+    presto-sd serve orchestrator --port 50050 --drafter-addr H:P[,H:P] --verifier-addr H:P[,H:P]
+    presto-sd serve orchestrator --port 50050        # in-process engines inside Ray actors
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
 from typing import Any
+
+from presto_sd.app.flags import (
+    add_client_args,
+    add_drain_args,
+    add_generation_args,
+    add_model_args,
+    add_serving_args,
+    server_config,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from presto_sd.app.cli import DTYPE_CHOICES, DTYPE_HELP
-
     serve = sub.add_parser("serve", help="run the drafter, verifier or orchestrator as a gRPC service")
     ssub = serve.add_subparsers(dest="service", required=True)
     for name, what in (("drafter", "the DFlash drafter (needs the target's embeddings and lm_head)"),
@@ -24,127 +33,119 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--port", type=int, required=True, help="0 = any free port (logged)")
         p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 or [::] to serve "
                        "other machines (default: %(default)s)")
-        p.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
-        p.add_argument("--drafter", default=None, help="DFlash drafter dir, or 'random' (the verifier "
-                       "reads its target_layer_ids)")
-        p.add_argument("--tls-cert", default=None, help="PEM server certificate (TLS on with --tls-key)")
-        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-        p.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certs it signed (mTLS)")
-        p.add_argument("--auth-token-file", default=None,
-                       help="clients must send 'authorization: Bearer <the file's token>'")
+        add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)", "DFlash drafter dir, or "
+                       "'random' (the verifier reads its target_layer_ids)", group=False)
+        add_serving_args(p)
         p.add_argument("--max-sessions", type=int, default=64, help="(default: %(default)s)")
         p.add_argument("--session-ttl-s", type=float, default=600.0,
                        help="close sessions idle this long (default: %(default)s)")
         p.add_argument("--max-message-mb", type=int, default=512, help="(default: %(default)s)")
-        p.add_argument("--drain-s", type=float, default=5.0,
-                       help="on SIGTERM: NOT_SERVING this long before stopping (default: %(default)s)")
-        p.add_argument("--grace-s", type=float, default=10.0,
-                       help="then in-flight calls get this long (default: %(default)s)")
-        p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-        p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    from presto_sd.app import up as orchestrator_cli
-
-    orchestrator_cli.register_serve(ssub)
+        add_drain_args(p)
+        p.set_defaults(run=run_engine)
+    p = ssub.add_parser("orchestrator", help="serve generation over drafter/verifier replicas (Ray)",
+                        description="OrchestratorService over gRPC: concurrent requests, pipelined "
+                                    "rounds, batched verification, metrics. SIGTERM drains, then stops.")
+    add_orchestrator_args(p, up=False)
+    p.set_defaults(run=serve_orchestrator)
 
 
-def run(args: argparse.Namespace) -> int:
+def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
+    """The orchestrator's flags (``up``: those of the stack ``up`` starts, engines and TLS its own)."""
+    p.add_argument("--port", type=int, default=50050 if up else None, required=not up,
+                   help="the orchestrator's port; 0 = any free port (logged)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    if not up:
+        e = p.add_argument_group("engines (default: one in-process drafter and verifier, each an actor)")
+        e.add_argument("--drafter-addr", default=None, help="HOST:PORT[,HOST:PORT...] of drafter servers")
+        e.add_argument("--verifier-addr", default=None, help="HOST:PORT[,HOST:PORT...] of verifier servers")
+        e.add_argument("--local-drafters", type=int, default=1, help="in-process drafter replicas")
+        e.add_argument("--local-verifiers", type=int, default=1, help="in-process verifier replicas")
+        e.add_argument("--drafter-gpus", type=float, default=0.0, help="GPUs per in-process drafter actor")
+        e.add_argument("--verifier-gpus", type=float, default=0.0, help="GPUs per in-process verifier actor")
+        add_client_args(e, "engine-", "the engine servers")
+        add_serving_args(p.add_argument_group("serving (as presto-sd serve verifier)"))
+    r = p.add_argument_group("ray and scheduling")
+    if not up:
+        r.add_argument("--ray-address", default=None,
+                       help="an existing Ray cluster ('auto': the local one); default: start one")
+    r.add_argument("--metrics-export-port", type=int, default=None,
+                   help="a Ray started here exports Prometheus metrics on this port")
+    r.add_argument("--ray-dashboard", action="store_true", help="start the Ray dashboard with it")
+    r.add_argument("--max-requests", type=int, default=256, help="concurrent requests (default: %(default)s)")
+    r.add_argument("--max-batch", type=int, default=16, help="trees per verify batch (default: %(default)s)")
+    add_drain_args(r)
+    add_generation_args(p)  # the defaults of requests that leave a field unset
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """``serve drafter|verifier``: the engine loads while the server answers UNAVAILABLE."""
     import asyncio
     import logging
-    import sys
 
     import torch
 
+    from presto_sd.embedded.stack import load_drafter, load_verifier
     from presto_sd.models.loading import parse_dtype
-    from presto_sd.rpc.client import read_token
-    from presto_sd.rpc.server import GrpcServer, ServerConfig, serve_until_signal
+    from presto_sd.rpc.server import GrpcServer, serve_until_signal
 
-    if args.service == "orchestrator":
-        from presto_sd.app import up as orchestrator_cli
-
-        return orchestrator_cli.run_serve(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ServerConfig(
-        host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, auth_token=read_token(args.auth_token_file),
-        session_ttl_s=args.session_ttl_s, max_message_mb=args.max_message_mb,
-        drain_s=args.drain_s, grace_s=args.grace_s,
-    )
     if args.service == "verifier":
-        from verifier_service import servicer as vs
+        from verifier_service import servicer as svc
 
-        servicer: Any = vs.VerifierServicer()
-        add, name = vs.add_to_server, vs.SERVICE_NAME
-
-        def loader():
-            return vs.load_verifier(args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype))
+        servicer: Any = svc.VerifierServicer()
+        load = load_verifier
     else:
-        from drafter_service import servicer as ds
+        from drafter_service import servicer as svc
 
-        servicer = ds.DrafterServicer()
-        add, name = ds.add_to_server, ds.SERVICE_NAME
+        servicer = svc.DrafterServicer()
+        load = load_drafter
 
-        def loader():
-            engine, servicer.info_overrides = ds.load_drafter(
-                args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype))
-            return engine
+    def loader():
+        return load(args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype))
 
-    asyncio.run(serve_until_signal(GrpcServer(config, servicer, add, name), loader))
+    server = GrpcServer(server_config(args), servicer, svc.add_to_server, svc.SERVICE_NAME)
+    asyncio.run(serve_until_signal(server, loader))
     return 0
 
 
-# -- the client side of `presto-sd generate` --------------------------------------------
-def add_remote_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("remote engines (gRPC; default: embedded, in this process)")
-    g.add_argument("--verifier-addr", default=None, help="HOST:PORT of a `presto-sd serve verifier`")
-    g.add_argument("--drafter-addr", default=None, help="HOST:PORT of a `presto-sd serve drafter`")
-    g.add_argument("--tls-ca", default=None, help="PEM CA of the servers' certs (TLS on when set)")
-    g.add_argument("--tls-client-cert", default=None, help="PEM client cert, for servers that want mTLS")
-    g.add_argument("--tls-client-key", default=None)
-    g.add_argument("--tls-server-name", default=None, help="name to check the server certs against")
-    g.add_argument("--auth-token-file", default=None, help="bearer token for the servers")
-    from presto_sd.app import up as orchestrator_cli
+def serve_orchestrator(args: argparse.Namespace, announce: Callable[[int], None] | None = None) -> int:
+    """The orchestrator's gRPC front over its Ray replicas (``announce``: told the bound port)."""
+    import asyncio
+    import logging
 
-    orchestrator_cli.add_client_args(g)
+    import ray
 
+    from orchestrator import service
+    from presto_sd.app.stack import orchestrated
+    from presto_sd.rpc.server import GrpcServer, serve_until_signal
 
-@dataclass
-class RemoteStack:
-    """What ``cmd_generate`` uses of an ``EmbeddedStack``, over gRPC."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
-    verifier: Any  # RemoteVerifier
-    drafter: Any  # RemoteDrafter | None
-    tokenizer: Any
-    drafter_spec: Any  # DrafterSpec, for the summary line
-    presto_defaults: dict
+    class Server(GrpcServer):
+        async def attach(self, engine: Any) -> None:
+            await super().attach(engine)
+            if announce is not None:
+                announce(self.port)
 
+    servicer = service.OrchestratorServicer()
+    server = Server(server_config(args), servicer, service.add_to_server, service.SERVICE_NAME)
+    if getattr(args, "ray_address", None):
+        ray.init(address=args.ray_address)
+    else:
+        ray.init(include_dashboard=args.ray_dashboard, _metrics_export_port=args.metrics_export_port)
+    started: list = []
 
-def remote_stack(args: argparse.Namespace) -> RemoteStack:
-    from pathlib import Path
+    def loader():
+        orch, servicer.defaults, servicer.tokenizer = orchestrated(args)
+        started.append(orch)
+        return orch
 
-    from drafter_service.remote import RemoteDrafter
-    from presto_sd.models.loading import DrafterSpec, load_tokenizer
-    from presto_sd.rpc.client import ClientConfig, read_token
-    from verifier_service.remote import RemoteVerifier
-
-    if not args.verifier_addr:
-        raise SystemExit("presto-sd generate: --drafter-addr needs --verifier-addr")
-    if args.method != "ar" and not args.drafter_addr:
-        raise SystemExit(f"presto-sd generate: --method {args.method} needs --drafter-addr")
-    config = ClientConfig(
-        tls_ca=args.tls_ca, tls_cert=args.tls_client_cert, tls_key=args.tls_client_key,
-        auth_token=read_token(args.auth_token_file), server_name=args.tls_server_name,
-    )
-    verifier = RemoteVerifier(args.verifier_addr, config)
-    drafter = RemoteDrafter(args.drafter_addr, config) if args.drafter_addr else None
-    spec, presto = DrafterSpec(None), {}
-    if drafter is not None:
-        info = drafter.info()
-        spec = DrafterSpec(None if info.name in ("", "random") else Path(info.name))
-        if info.default_rho:
-            presto["rho"] = info.default_rho
-        if info.default_lambdas:
-            presto["lambdas"] = info.default_lambdas
-        presto["rho_providers"] = info.rho_providers
-    return RemoteStack(verifier, drafter, load_tokenizer(args.target), spec, presto)
+    try:
+        asyncio.run(serve_until_signal(server, loader))
+    finally:
+        for orch in started:
+            orch.shutdown()
+        ray.shutdown()
+    return 0

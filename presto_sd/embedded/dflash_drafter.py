@@ -19,7 +19,8 @@ from presto_sd.engine.messages import (
     check_base,
 )
 from presto_sd.engine.sessions import SessionTable
-from presto_sd.method.builders import METHODS, RHO_METHODS, TreeParams, build_tree
+from presto_sd.method.builders import TreeParams, build_tree
+from presto_sd.method.methods import TREE_METHODS, get_method
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import (
     ConstantRho,
@@ -29,6 +30,7 @@ from presto_sd.method.scores import (
     RhoProvider,
     ScoringContext,
 )
+from presto_sd.models.assets import DrafterDefaults
 from presto_sd.models.dflash import DFlashDraftModel
 
 
@@ -54,6 +56,8 @@ class DFlashDrafter(Drafter):
         max_sessions: int = 256,
         max_context: int = 8192,
         max_budget: int = 1024,  # draft nodes per tree: bounds the tree building work
+        name: str = "",  # what Info calls it: the drafter directory, or "random"
+        defaults: DrafterDefaults | None = None,  # the PRESTO settings fitted for it (presto.json)
     ) -> None:
         c = model.config
         if embed_tokens.shape[1] != c.hidden_size or lm_head.shape[1] != c.hidden_size:
@@ -81,6 +85,7 @@ class DFlashDrafter(Drafter):
             self.rho_providers["prefix"] = PrefixRho(
                 self.draft_head, t2d, lambda h, parent: head(h.to(head.next.dtype), parent))
         self.max_sessions = max_sessions
+        self.name, self.defaults = name, defaults or DrafterDefaults()
         self.max_context = max_context
         self.max_budget = max_budget
         self.sessions: SessionTable[_DraftSession] = SessionTable("drafter", max_sessions)
@@ -96,8 +101,10 @@ class DFlashDrafter(Drafter):
             target_layer_ids=c.target_layer_ids,
             mask_token_id=c.mask_token_id,
             vocab_size=self.vocab_size,
-            methods=METHODS,
+            methods=TREE_METHODS,
             rho_providers=tuple(self.rho_providers),
+            name=self.name,
+            defaults=self.defaults,
             max_sessions=self.max_sessions,
         )
 
@@ -182,9 +189,12 @@ class DFlashDrafter(Drafter):
             raise LimitExceededError(
                 f"tree.budget = {params.budget}: over the drafter's limit {self.max_budget}"
             )
-        rho = None
+        try:
+            rho, method = None, get_method(params.method, "tree.method")
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
         # TAPS may take its acceptance from q itself: rho "marginal"
-        if params.method in RHO_METHODS and not (params.method == "taps" and params.rho == "marginal"):
+        if method.uses_rho and not (method.sizes_itself and params.rho == "marginal"):
             rho = self.rho_providers.get(params.rho)
             if rho is None:
                 raise InvalidArgumentError(
@@ -195,7 +205,7 @@ class DFlashDrafter(Drafter):
         marginals = self.marginals(s, anchor, depth, params.top_k)
         t1 = time.perf_counter()
         ctx = ScoringContext(marginals, s.tokens + [anchor], s.ngram)
-        if params.method == "taps" and params.draft_s <= 0:  # no estimate given: this round's
+        if method.sizes_itself and params.draft_s <= 0:  # no estimate given: this round's
             params = replace(params, draft_s=t1 - t0)
         try:
             built = build_tree(anchor, ctx, params, rho)

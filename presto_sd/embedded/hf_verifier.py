@@ -124,9 +124,6 @@ class HFVerifier(Verifier):
         return fit
 
     # -- sessions -----------------------------------------------------------------------
-    def anchor(self, session_id: str) -> int:
-        return self.sessions.touch(session_id).tokens[-1]
-
     def close(self, session_id: str) -> None:
         self.sessions.close(session_id)
 

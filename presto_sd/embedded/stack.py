@@ -1,31 +1,34 @@
-"""Build the embedded stack: target verifier + DFlash drafter in one process.
+"""Load the in-process engines: the target as an ``HFVerifier``, the DFlash drafter, or both.
 
-A drafter directory may carry PRESTO assets beside the DFlash checkpoint:
-``ngram.json.gz`` (an n-gram table from target-generated text), ``h_phi/`` (the learned
-acceptance predictor) and ``presto.json`` (``{"lambdas": [...], "rho": "..."}`` fitted
-on held-out traces). Whatever is there is loaded; the rest keeps its defaults.
+The one place engines are loaded from a target and a drafter directory: the embedded
+stack (``build_embedded``), ``presto-sd serve verifier|drafter`` and the orchestrator's
+in-process replicas all call these. What the drafter directory holds is read by
+``presto_sd.models.assets``; whatever is there is loaded, the rest keeps its defaults.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from presto_sd.embedded.dflash_drafter import DFlashDrafter
 from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import HPhi, LearnedRho, NGramRho, RhoProvider
+from presto_sd.models.assets import DrafterAssets
+from presto_sd.models.dflash import DFlashConfig
 from presto_sd.models.loading import (
-    DrafterSpec,
     eos_token_ids,
     load_drafter_model,
     load_target,
-    read_json,
+    random_drafter_config,
     resolve_drafter,
 )
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -33,19 +36,59 @@ class EmbeddedStack:
     verifier: HFVerifier
     drafter: DFlashDrafter
     tokenizer: PreTrainedTokenizerBase
-    drafter_spec: DrafterSpec
-    presto_defaults: dict  # lambdas / rho fitted for this drafter, if shipped
+    assets: DrafterAssets  # the drafter's directory, and the PRESTO settings fitted for it
 
 
-def rho_providers_from(drafter_dir: Path | None, embed_tokens: torch.Tensor) -> dict[str, RhoProvider]:
+def drafter_assets(target: str | None, drafter: str | None) -> DrafterAssets:
+    """The drafter directory ``--drafter`` names for ``--target`` (the shipped one by default)."""
+    return DrafterAssets.read(resolve_drafter(drafter, target).path)
+
+
+def rho_providers_from(assets: DrafterAssets, embed_tokens: torch.Tensor) -> dict[str, RhoProvider]:
     providers: dict[str, RhoProvider] = {}
-    if drafter_dir is None:
+    if assets.path is None:
         return providers
-    table = drafter_dir / "ngram.json.gz"
-    providers["ngram"] = NGramRho(NGramModel.load(table) if table.exists() else None)
-    if (drafter_dir / "h_phi" / "h_phi.json").exists():
-        providers["hphi"] = LearnedRho(HPhi.load(drafter_dir / "h_phi"), embed_tokens, providers["ngram"])
+    table = assets.ngram_table
+    providers["ngram"] = NGramRho(NGramModel.load(table) if table is not None else None)
+    if assets.h_phi_dir is not None:
+        providers["hphi"] = LearnedRho(HPhi.load(assets.h_phi_dir), embed_tokens, providers["ngram"])
     return providers
+
+
+def drafter_engine(model: PreTrainedModel, assets: DrafterAssets, max_sessions: int = 256) -> DFlashDrafter:
+    """The drafter on ``model``'s embeddings and lm_head, its Info naming it and its defaults."""
+    draft_model = load_drafter_model(assets, model)
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    return DFlashDrafter(draft_model, embed, head, rho_providers_from(assets, embed),
+                         max_sessions=max_sessions, name=assets.name, defaults=assets.defaults)
+
+
+def verifier_engine(
+    model: PreTrainedModel, tok: PreTrainedTokenizerBase, target: str | None, assets: DrafterAssets,
+    limits: VerifierLimits = VerifierLimits(),
+) -> HFVerifier:
+    """The target emitting the features the drafter was trained on (its ``target_layer_ids``)."""
+    config = assets.config or random_drafter_config(model.config)
+    return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
+                      eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME)
+
+
+def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 256,
+                 dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """The drafter alone: the target's embeddings and lm_head, the rest of the target dropped."""
+    model, _ = load_target(target, dtype=dtype)
+    return drafter_engine(model, drafter_assets(target, drafter), max_sessions)
+
+
+def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
+                  dtype: torch.dtype | None = None) -> HFVerifier:
+    """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS."""
+    model, tok = load_target(target, dtype=dtype)
+    verifier = verifier_engine(model, tok, target, drafter_assets(target, drafter),
+                               VerifierLimits(max_sessions=max_sessions))
+    verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
+    return verifier
 
 
 def build_embedded(
@@ -54,17 +97,8 @@ def build_embedded(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> EmbeddedStack:
+    """Verifier and drafter in this process, sharing one copy of the target."""
     model, tok = load_target(target, device, dtype)
-    spec = resolve_drafter(drafter, target)
-    draft_model = load_drafter_model(spec, model)
-    embed = model.get_input_embeddings().weight.detach()
-    head = model.get_output_embeddings().weight.detach()
-    verifier = HFVerifier(
-        model, draft_model.config.target_layer_ids, eos_token_ids=eos_token_ids(model, tok),
-        name=target or "SmolLM2-135M-Instruct",
-    )
-    drafter_engine = DFlashDrafter(draft_model, embed, head, rho_providers_from(spec.path, embed))
-    presto = {}
-    if spec.path is not None and (spec.path / "presto.json").exists():
-        presto = read_json(spec.path / "presto.json")
-    return EmbeddedStack(verifier, drafter_engine, tok, spec, presto)
+    assets = drafter_assets(target, drafter)
+    verifier = verifier_engine(model, tok, target, assets)
+    return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

@@ -7,12 +7,13 @@ One interface, two implementations: ``DFlashDrafter`` (in-process) and the gRPC 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from presto_sd.engine.messages import FeatureDelta
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
+from presto_sd.models.assets import DrafterDefaults
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,7 @@ class DrafterInfo:
     methods: tuple[str, ...]
     rho_providers: tuple[str, ...]
     name: str = ""
-    default_rho: str | None = None  # PRESTO settings fitted for this drafter, if shipped
-    default_lambdas: tuple[float, ...] = ()
+    defaults: DrafterDefaults = field(default_factory=DrafterDefaults)  # fitted PRESTO settings, if shipped
     max_sessions: int = 0  # 0: not stated
 
 

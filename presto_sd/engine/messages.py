@@ -3,14 +3,16 @@
 Every engine call carries ``base``: the number of tokens the target has processed for the
 session (its KV length). The pending anchor — the last committed token — sits at
 position ``base``. A call built on another base is refused (``StaleBaseError``), never
-silently applied. The errors map one-to-one onto gRPC status codes (DESIGN.md §3).
+silently applied. The errors map one-to-one onto gRPC status codes (docs/design.md §3).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the thin clients import these errors without loading torch
+    import torch
 
 
 class EngineError(Exception):

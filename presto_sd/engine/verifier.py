@@ -108,9 +108,13 @@ class Verifier(ABC):
                 out.append(e)
         return out
 
-    def step(self, session_id: str, base: int) -> VerifyResult:
-        """One plain AR token: the verification of a root-only tree."""
-        return self.verify(session_id, base, TokenTree.root_only(self.anchor(session_id)))
+    def step(self, session_id: str, base: int, anchor: int) -> VerifyResult:
+        """One plain AR token: the verification of the root-only tree on ``anchor``.
+
+        The caller holds the pending anchor (the loop keeps every committed token); an
+        engine checks it against the session as it checks any tree's root.
+        """
+        return self.verify(session_id, base, TokenTree.root_only(anchor))
 
     def cost_model(self) -> CostFit | None:
         """The live fit of forward seconds vs tree size and context (None: uncalibrated)."""
@@ -123,10 +127,6 @@ class Verifier(ABC):
         gets the server's fit (calibrated at its start-up).
         """
         return self.cost_model()
-
-    @abstractmethod
-    def anchor(self, session_id: str) -> int:
-        """The session's pending anchor (last committed token, not yet processed)."""
 
     @abstractmethod
     def close(self, session_id: str) -> None: ...

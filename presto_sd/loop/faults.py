@@ -1,4 +1,4 @@
-"""What the generation loop does when an engine fails (DESIGN.md §3, Faults).
+"""What the generation loop does when an engine fails (docs/design.md §3, Faults).
 
 - The drafter only proposes, so it may fail: while it is down, timing out, full, or
   restarted without our session, ``DrafterLink.draft`` returns None and the round is a plain AR
@@ -130,7 +130,7 @@ class VerifierLink:
         """Verify ``tree`` (None: one AR step), re-prefilling a lost session first."""
         def attempt() -> VerifyResult:
             if tree is None:
-                return self.verifier.step(self.sid, base)
+                return self.verifier.step(self.sid, base, self.tokens[-1])
             return self.verifier.verify(self.sid, base, tree)
 
         def recover() -> None:

@@ -1,4 +1,4 @@
-"""The embedded generation loop over any ``Drafter`` / ``Verifier`` pair (DESIGN.md §3).
+"""The embedded generation loop over any ``Drafter`` / ``Verifier`` pair (docs/design.md §3).
 
     verifier.prefill(prompt)             -> anchor b, features F[0:n]
     drafter.prefill(F)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from presto_sd.engine.drafter import Drafter
@@ -24,6 +24,7 @@ from presto_sd.loop.faults import DrafterLink, FaultPolicy, VerifierLink
 from presto_sd.loop.taps_feedback import TapsFeedback
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
+from presto_sd.method.methods import get_method
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,28 @@ class TokenChunk:
     finish_reason: str | None = None  # set on the last chunk: "eos" | "stop" | "length"
 
 
+def tau(rounds: Sequence) -> float:
+    """Mean tokens committed per verification round (accepted + 1 bonus); 0 without rounds."""
+    return sum(r.accepted + 1 for r in rounds) / max(1, len(rounds))
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    rounds: list[RoundStats]
+    rounds: list[RoundStats]  # or any per-round stats with accepted, tree_size and fallback
     finish_reason: str  # "eos" | "stop" | "length"
     prefill_s: float
     decode_s: float
+    text: str = ""  # when the stream carried text (through the orchestrator)
 
     @property
     def tau(self) -> float:
         """Mean tokens committed per verification round (accepted + 1 bonus)."""
-        return sum(r.accepted + 1 for r in self.rounds) / max(1, len(self.rounds))
+        return tau(self.rounds)
+
+    @property
+    def mean_tree_size(self) -> float:
+        return sum(r.tree_size for r in self.rounds) / max(1, len(self.rounds))
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,12 +130,13 @@ def stream_generate(
     session_id: str | None = None,
 ) -> Iterator[TokenChunk]:
     """Yield committed tokens round by round; sessions are closed however it ends."""
-    if params.method != "ar" and drafter is None:
+    method = get_method(params.method)
+    if method.needs_drafter and drafter is None:
         raise ValueError(f"method {params.method!r} needs a drafter")
     sid = session_id or uuid.uuid4().hex
     stopper = _Stopper(params, detokenize)
     target = VerifierLink(verifier, sid, params.sampling, params.faults)
-    draft = DrafterLink(drafter, sid, params.faults) if params.method != "ar" else None
+    draft = DrafterLink(drafter, sid, params.faults) if method.needs_drafter else None
     pre = target.prefill(list(prompt_ids))
     try:
         if draft is not None:
@@ -132,7 +144,7 @@ def stream_generate(
         anchor, base = pre.anchor, pre.base
         yield TokenChunk(stopper.accept((anchor,)), None, stopper.finish_reason)
         tree_params = replace(params.tree, method=params.method)
-        taps = TapsFeedback(verifier) if params.method == "taps" else None
+        taps = TapsFeedback(verifier) if method.sizes_itself else None
         while stopper.finish_reason is None:
             # the bonus token adds one: never draft deeper than the output can still use
             depth = min(tree_params.depth, stopper.remaining - 1)
@@ -172,16 +184,36 @@ def generate(
     detokenize: Callable[[list[int]], str] | None = None,
 ) -> GenerationResult:
     """Run ``stream_generate`` to the end and collect tokens and stats."""
-    t0 = time.perf_counter()
-    tokens: list[int] = []
-    rounds: list[RoundStats] = []
-    prefill_s, finish = 0.0, "length"
+    out = ResultCollector()
     for chunk in stream_generate(verifier, drafter, prompt_ids, params, detokenize):
-        if chunk.round is None:
-            prefill_s = time.perf_counter() - t0
+        out.add(chunk.tokens, chunk.round, chunk.finish_reason)
+    return out.result()
+
+
+class ResultCollector:
+    """A stream's chunks, collected into a ``GenerationResult`` (timed from its creation).
+
+    Every way of running a request collects with it: ``generate`` here, the CLI (embedded,
+    remote or through the orchestrator) and the orchestrator's ``GenerateBatch``.
+    """
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens: list[int] = []
+        self.rounds: list = []
+        self.text, self.prefill_s, self.finish = "", 0.0, "length"
+
+    def add(self, tokens: Sequence[int], round_stats, finish_reason: str | None, text: str = "") -> None:
+        """One chunk: ``round_stats`` None is the prefill's first token."""
+        if round_stats is None:
+            self.prefill_s = time.perf_counter() - self.t0
         else:
-            rounds.append(chunk.round)
-        tokens.extend(chunk.tokens)
-        finish = chunk.finish_reason or finish
-    total = time.perf_counter() - t0
-    return GenerationResult(tokens, rounds, finish, prefill_s, total - prefill_s)
+            self.rounds.append(round_stats)
+        self.tokens.extend(tokens)
+        self.text += text
+        self.finish = finish_reason or self.finish
+
+    def result(self) -> GenerationResult:
+        total = time.perf_counter() - self.t0
+        return GenerationResult(self.tokens, self.rounds, self.finish, self.prefill_s, total - self.prefill_s,
+                                self.text)

@@ -26,6 +26,7 @@ import torch
 
 from presto_sd.method.acceptance_calibration import AcceptanceCalibration
 from presto_sd.method.cost_model import CostFit
+from presto_sd.method.methods import TREE_METHODS
 from presto_sd.method.scores import (
     DraftMarginals,
     RhoProvider,
@@ -34,9 +35,6 @@ from presto_sd.method.scores import (
 )
 from presto_sd.method.taps import choose_budget, round_seconds
 from presto_sd.method.tree import TokenTree
-
-METHODS = ("linear", "marginal", "presto-beam", "presto-best-first", "taps")
-RHO_METHODS = ("presto-beam", "presto-best-first", "taps")  # the methods that use ``rho``
 
 
 @dataclass(frozen=True)
@@ -299,4 +297,4 @@ def build_tree(
         return builder(anchor, ctx, rho, params)
     if params.method == "taps":
         return build_taps_tree(anchor, ctx, rho, params)
-    raise ValueError(f"tree.method = {params.method!r}: unknown (choose from {', '.join(METHODS)})")
+    raise ValueError(f"tree.method = {params.method!r}: unknown (choose from {', '.join(TREE_METHODS)})")

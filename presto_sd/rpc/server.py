@@ -1,4 +1,4 @@
-"""The grpc.aio server both services run in (DESIGN.md §3).
+"""The grpc.aio server both services run in (docs/design.md §3).
 
 - Health (``grpc.health.v1``): NOT_SERVING until the engine is loaded, SERVING once it is,
   NOT_SERVING again while draining (SIGTERM), then a graceful stop. Reflection is on.

@@ -10,17 +10,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from presto_sd.app.flags import add_model_args, add_sampling_args, add_tree_args, csv
+
 DEFAULT_DATASETS = "gsm8k,humaneval,mtbench"
 DEFAULT_METHODS = "ar,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first,taps"
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    from presto_sd.app.cli import DTYPE_CHOICES, DTYPE_HELP
-
     p = sub.add_parser(
         "bench", help="measure every drafting method against AR and transformers' prompt lookup",
         description="Decode benchmark prompts with each (method, budget), interleaved prompt by "
@@ -54,9 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--positions-top-k", type=int, default=16,
                    help="replay: K for recall@K and the top-K oracle (default: %(default)s)")
     t = p.add_argument_group("drafting")
-    t.add_argument("--depth", type=int, default=15, help="max tree depth (<= block size - 1)")
-    t.add_argument("--branching", type=int, default=4, help="presto-beam: children per frontier path")
-    t.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
+    add_tree_args(t)
     t.add_argument("--rho", default=None, help="PRESTO rho provider: ngram | hphi | constant")
     t.add_argument("--lambda", dest="lambdas", default=None, help="lambda_d: one value or per depth")
     t.add_argument("--taps-cap", type=int, default=64,
@@ -66,17 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: hphi when the drafter ships it, else --rho)")
     t.add_argument("--lookup-tokens", type=int, default=10,
                    help="hf-prompt-lookup: prompt_lookup_num_tokens (default: %(default)s)")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless is checked)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--seed", type=int, default=0)
-    m = p.add_argument_group("models")
-    m.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
-    m.add_argument("--drafter", default=None, help="as for generate ('random' = untrained)")
-    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    add_sampling_args(p, "0 = greedy (lossless is checked)")
+    add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)",
+                   "as for generate ('random' = untrained)")
+    p.set_defaults(run=run)
 
 
 def load_bench_prompts(args: argparse.Namespace) -> list:
@@ -85,7 +72,7 @@ def load_bench_prompts(args: argparse.Namespace) -> list:
 
     names = args.datasets if args.datasets is not None else (
         "" if args.prompts_file else DEFAULT_DATASETS)
-    prompts = [p for ds in _csv(names) for p in load_prompts(ds, "heldout", args.n)]
+    prompts = [p for ds in csv(names) for p in load_prompts(ds, "heldout", args.n)]
     if args.prompts_file:
         prompts.extend(load_prompts_file(args.prompts_file)[: args.n])
     if not prompts:
@@ -93,15 +80,19 @@ def load_bench_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def bench_config(args: argparse.Namespace, eos: tuple[int, ...], presto_defaults: dict):
+def bench_config(args: argparse.Namespace, eos: tuple[int, ...], drafter_info):
+    """Every method's params from the flags, filled in from the drafter's fitted defaults."""
     from presto_sd.app.bench.runner import BenchConfig
-    from presto_sd.app.cli import default_taps_rho, generation_params
+    from presto_sd.app.stack import generation_params
+    from presto_sd.models.assets import DrafterDefaults
 
-    budgets = tuple(int(b) for b in _csv(args.budgets)) if args.budgets else (args.budget,)
-    base = generation_params(argparse.Namespace(**{**vars(args), "method": "linear"}), eos, presto_defaults)
-    return BenchConfig(tuple(_csv(args.methods)), budgets, base, args.lookup_tokens,
+    budgets = tuple(int(b) for b in csv(args.budgets)) if args.budgets else (args.budget,)
+    base = generation_params(argparse.Namespace(**{**vars(args), "method": "linear"}), eos, drafter_info)
+    defaults = drafter_info.defaults if drafter_info is not None else DrafterDefaults()
+    providers = drafter_info.rho_providers if drafter_info is not None else ()
+    return BenchConfig(tuple(csv(args.methods)), budgets, base, args.lookup_tokens,
                        warmup=not args.no_warmup, taps_cap=args.taps_cap,
-                       taps_rho=args.taps_rho or default_taps_rho(presto_defaults))
+                       taps_rho=args.taps_rho or defaults.calibrated_rho(providers))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     prompts = load_bench_prompts(args)
     stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype))
-    config = bench_config(args, stack.verifier.eos_token_ids, stack.presto_defaults)
+    config = bench_config(args, stack.verifier.eos_token_ids, stack.drafter.info())
     chat = not args.no_chat
     encoded = [BenchPrompt(p.dataset, p.id, tuple(encode_messages(stack.tokenizer, p.messages, chat)))
                for p in prompts]
@@ -124,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "command": command_line(),
         "target": info.model,
-        "drafter": str(stack.drafter_spec.path) if stack.drafter_spec.path else "random",
+        "drafter": stack.assets.name,
         "machine": machine_info(info.device, info.dtype),
     }
     out = Path(args.out)

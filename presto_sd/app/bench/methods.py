@@ -16,7 +16,7 @@ from typing import Any
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import Verifier
 from presto_sd.loop.generate import GenerationParams, GenerationResult, generate
-from presto_sd.method.builders import METHODS as TREE_METHODS
+from presto_sd.method.methods import METHODS, Method
 
 
 @dataclass
@@ -58,7 +58,7 @@ def get_method(name: str) -> BenchMethod:
     return REGISTRY[name]
 
 
-@register_method("ar", budgeted=False)
+@register_method("ar", budgeted=METHODS["ar"].budgeted)
 def run_ar(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
     """Plain AR decoding by the same verifier engine: the baseline."""
     return generate(ctx.verifier, None, prompt_ids, replace(params, method="ar"))
@@ -92,20 +92,17 @@ def _beam_describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any
     return {**_presto_describe(ctx, params), "branching": t.branching, "beam": t.beam}
 
 
-_DESCRIBE = {
-    "linear": _tree_describe,
-    "marginal": _tree_describe,
-    "presto-beam": _beam_describe,
-    "presto-best-first": _presto_describe,
-    "taps": _taps_describe,
-}
+def _describe(m: Method) -> Callable[[BenchContext, GenerationParams], dict[str, Any]]:
+    if m.sizes_itself:
+        return _taps_describe
+    if m.uses_rho:
+        return _beam_describe if m.name == "presto-beam" else _presto_describe
+    return _tree_describe
+
+
 # not swept over --budgets: linear drafts the whole block (its size is the depth) and taps
 # picks its own budget every round, up to --taps-cap
-UNBUDGETED = ("linear", "taps")
-
-for _name in TREE_METHODS:
-    register_method(_name, budgeted=_name not in UNBUDGETED, needs_drafter=True,
-                    describe=_DESCRIBE.get(_name))(_tree_method(_name))
-
-# the transformers peer registers itself on import
-from presto_sd.app.bench import hf_lookup  # noqa: E402, F401
+for _m in METHODS.values():
+    if _m.needs_drafter:
+        register_method(_m.name, budgeted=_m.budgeted and not _m.sizes_itself, needs_drafter=True,
+                        describe=_describe(_m))(_tree_method(_m.name))

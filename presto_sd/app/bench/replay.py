@@ -134,12 +134,6 @@ class OracleVerifier(Verifier):
         s.base, s.anchor = new_base, seq[new_base]
         return VerifyResult(tuple(accepted), seq[new_base], delta, new_base, None, tuple(path))
 
-    def anchor(self, session_id: str) -> int:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise SessionNotFoundError(f"replay: unknown session {session_id!r}")
-        return s.anchor
-
     def close(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 

@@ -15,11 +15,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from presto_sd.app.bench import hf_lookup  # noqa: F401 (the transformers peer registers itself)
 from presto_sd.app.bench.methods import BenchContext, get_method
 from presto_sd.app.bench.stats import RunLog, table_rows
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import Verifier
 from presto_sd.loop.generate import GenerationParams
+from presto_sd.method.methods import METHODS
 
 WARMUP_TOKENS = 8
 
@@ -75,9 +77,10 @@ class BenchConfig:
     def job_params(self, job: Job, seed_offset: int) -> GenerationParams:
         p = self.params
         tree = p.tree if job.budget is None else replace(p.tree, budget=job.budget)
-        if job.method == "taps":
+        method = METHODS.get(job.method)  # None: a peer (hf-prompt-lookup), not one of ours
+        if method is not None and method.sizes_itself:
             tree = replace(tree, budget=self.taps_cap, rho=self.taps_rho or tree.rho)
-        elif job.budget is None and job.method != "ar":
+        elif job.budget is None and (method is None or method.needs_drafter):
             tree = replace(tree, budget=max(tree.budget, tree.depth))
         seed = p.sampling.seed
         sampling = p.sampling if seed is None else replace(p.sampling, seed=seed + seed_offset)

@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_dataclass_args(acc, AcceptanceConfig, skip=("drafter", "data"))
     acc.add_argument("--drafter", required=True, help="the drafter dir to equip")
     acc.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="gen-data shards (n-gram table)")
+    train.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""Drafter training, DFlash recipe (DESIGN.md §2), sized for a 2-core CPU.
+"""Drafter training, DFlash recipe (docs/design.md §2), sized for a 2-core CPU.
 
 Per sequence, random anchors in the response; a block ``[anchor, MASK x (L-1)]`` sees
 only target features *before* its anchor (what the drafter has at inference) and its own

@@ -1,0 +1,77 @@
+"""Continuous batching: per verifier replica, whatever verify calls are queued when the
+replica is free go out as ONE ``verify_batch``; requests not in the batch draft meanwhile
+on the drafter replicas (docs/design.md §3).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from orchestrator.replicas import Replica
+from presto_sd.engine.messages import EngineError
+from presto_sd.engine.verifier import VerifyCall
+
+
+class VerifyBatcher:
+    """Continuous batching for one verifier replica, on its own thread."""
+
+    def __init__(self, replica: Replica, max_batch: int,
+                 on_batch: Callable[[Replica, int, float], None]) -> None:
+        self.replica, self.max_batch, self.on_batch = replica, max_batch, on_batch
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
+        self._thread.start()
+
+    def submit(self, call: VerifyCall) -> Future:
+        """A future of ``(VerifyResult | EngineError, batch engine seconds, queued seconds)``."""
+        fut: Future = Future()
+        self._queue.put((call, fut, time.monotonic()))
+        return fut
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while batch[-1] is not None and len(batch) < self.max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = batch[-1] is None
+            batch = [b for b in batch if b is not None]
+            if batch:
+                self._send(batch)
+            if stopping:
+                return
+
+    def _send(self, batch: list[tuple[VerifyCall, Future, float]]) -> None:
+        start = time.monotonic()
+        try:
+            out = self.replica.call("verify_batch", [c for c, _, _ in batch])
+        except EngineError as e:  # the whole call failed (replica away): every request sees it
+            for _, fut, _ in batch:
+                fut.set_exception(_copy(e))
+            return
+        except BaseException as e:  # noqa: BLE001 - a bug: fail the requests, keep the batcher
+            for _, fut, _ in batch:
+                fut.set_exception(e)
+            return
+        self.on_batch(self.replica, len(batch), out.busy_s)
+        for (_, fut, queued), res in zip(batch, out.value):
+            if isinstance(res, EngineError):
+                self.replica.metrics.error("verifier", res.code)
+            fut.set_result((res, out.busy_s, start - queued))
+
+
+def _copy(e: EngineError) -> EngineError:
+    """One exception object per waiting thread (a shared one would mix their tracebacks)."""
+    try:
+        return type(e)(*e.args)
+    except TypeError:
+        return e

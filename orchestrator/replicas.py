@@ -1,0 +1,82 @@
+"""The driver's handles on the engine actors (docs/design.md §3).
+
+A ``Replica`` calls one engine actor with a deadline, re-raises the engine's named errors,
+and backs off after a failure (unreachable, dead, too slow); a ``ReplicaPool`` picks the
+healthy replica holding the fewest sessions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from orchestrator.actors import Outcome, ReplicaSpec
+from orchestrator.metrics import Metrics
+from presto_sd.engine.messages import DrafterUnavailableError, UnavailableError, VerifierUnavailableError
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    drafter_s: float = 30.0  # past this a round goes on without a tree
+    verifier_s: float = 120.0  # a verify batch, with the queue in front of it
+    prefill_s: float = 300.0
+    retry_s: float = 0.5  # a failed replica is skipped this long, doubling up to retry_max_s
+    retry_max_s: float = 8.0
+
+
+class Replica:
+    def __init__(self, spec: ReplicaSpec, actor: Any, timeouts: Timeouts, metrics: Metrics) -> None:
+        self.kind, self.name, self.actor = spec.kind, spec.name, actor
+        self.timeouts, self.metrics = timeouts, metrics
+        self.unavailable = DrafterUnavailableError if spec.kind == "drafter" else VerifierUnavailableError
+        self.sessions: set[str] = set()  # requests whose session lives here
+        self.down_until, self._wait = 0.0, timeouts.retry_s
+        self.dead = False  # its actor is gone for good (no restarts left)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.dead and time.monotonic() >= self.down_until
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Outcome:
+        """``engine.method(*args)`` in the actor; refusals raise the engine's named error."""
+        if timeout_s is None:
+            timeout_s = self.timeouts.drafter_s if self.kind == "drafter" else self.timeouts.verifier_s
+        try:
+            out: Outcome = ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+        except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
+            self.dead = self.dead or isinstance(e, ActorDiedError)
+            self._failed("UNAVAILABLE")
+            raise self.unavailable(f"{self.kind} replica {self.name}: {type(e).__name__}") from None
+        self.metrics.busy(self.kind, self.name, out.busy_s)
+        if out.error is not None:
+            self._failed(out.error.code, isinstance(out.error, UnavailableError))
+            raise out.error
+        self._wait = self.timeouts.retry_s
+        return out
+
+    def _failed(self, code: str, down: bool = True) -> None:
+        self.metrics.error(self.kind, code)
+        if down:
+            self.down_until = time.monotonic() + self._wait
+            self._wait = min(2 * self._wait, self.timeouts.retry_max_s)
+
+
+class ReplicaPool:
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        if not replicas:
+            raise ValueError("a pool needs at least one replica")
+        self.replicas = list(replicas)
+        self.lock = threading.Lock()
+
+    def pick(self) -> Replica:
+        """The healthy replica holding the fewest sessions; if none is healthy, the one back soonest."""
+        healthy = [r for r in self.replicas if r.healthy]
+        if healthy:
+            return min(healthy, key=lambda r: len(r.sessions))
+        return min(self.replicas, key=lambda r: (r.dead, r.down_until))
