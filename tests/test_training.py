@@ -134,6 +134,12 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     assert "prefix" in stack.drafter.rho_providers
     prompt = [1, 2, 3, 4, 5]
     ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
+    from presto_sd.app.bench.replay import position_stats, record
+
+    stats = position_stats(stack.drafter, [record(stack.verifier, prompt, 16)], 8, top_k=4,
+                           progress=False).summary()
+    cond = stats["prefix_recall"]
+    assert len(cond["1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(cond["1"], cond["4"]))
     for method in ("presto-beam", "presto-best-first", "taps"):
         tree = TreeParams(method=method, budget=6, rho="prefix", lambdas=(1.0,))
         res = generate(stack.verifier, stack.drafter, prompt,

@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replay: a file of recorded AR passes to reuse or create "
                         "(default: one per target, prompts and length in the cache)")
     w.add_argument("--positions-top-k", type=int, default=16,
-                   help="replay: K for recall@K and the top-K oracle (default: %(default)s)")
+                   help="replay: K for recall@K and the top-K oracle; 0 skips the per-position pass "
+                        "(default: %(default)s)")
     t = p.add_argument_group("drafting")
     add_tree_args(t)
     t.add_argument("--rho", default=None, help="PRESTO rho provider: ngram | hphi | constant")

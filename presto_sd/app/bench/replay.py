@@ -190,6 +190,9 @@ class PositionStats:
     hits: torch.Tensor = field(init=False)  # [D, K] count of "target token is the drafter's k-th"
     oracle_len: list[int] = field(default_factory=list)  # per position, accepted over all top-K
     top1_len: list[int] = field(default_factory=list)  # per position, accepted by the top-1 chain
+    # with a prefix head: [D, 2] counts of "target token is the conditional's top-1 / in its
+    # top-K" given the true parent token (what a tree node's children are scored with)
+    cond_hits: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.hits = torch.zeros(self.depth, self.top_k, dtype=torch.long)
@@ -201,10 +204,14 @@ class PositionStats:
     def summary(self) -> dict[str, Any]:
         ks = sorted({1, 2, 4, 8, self.top_k} & set(range(1, self.top_k + 1)))
         n = max(1, len(self.oracle_len))
-        return {"positions": self.positions, "top_k": self.top_k,
-                "recall": {str(k): self.recall(k) for k in ks},
-                "oracle_accept_mean": round(sum(self.oracle_len) / n, 4),
-                "top1_accept_mean": round(sum(self.top1_len) / n, 4)}
+        out = {"positions": self.positions, "top_k": self.top_k,
+               "recall": {str(k): self.recall(k) for k in ks},
+               "oracle_accept_mean": round(sum(self.oracle_len) / n, 4),
+               "top1_accept_mean": round(sum(self.top1_len) / n, 4)}
+        if self.cond_hits is not None:
+            share = (self.cond_hits.float() / max(1, self.positions)).round(decimals=4)
+            out["prefix_recall"] = {"1": share[:, 0].tolist(), str(self.top_k): share[:, 1].tolist()}
+        return out
 
 
 def position_stats(
@@ -214,6 +221,10 @@ def position_stats(
     """Draft at every position of each recording's first ``new_tokens`` (one token committed at a time)."""
     depth = drafter.info().block_size - 1
     stats = PositionStats(top_k, depth)
+    prefix = getattr(drafter, "rho_providers", {}).get("prefix")  # an in-process drafter's head
+    if prefix is not None:
+        stats.cond_hits = torch.zeros(depth, 2, dtype=torch.long)
+        vocab = prefix.t2d.ge(0).nonzero()[:, 0]  # every draftable target id
     params = TreeParams(method="linear", budget=depth, depth=depth, top_k=top_k)
     bar = tqdm(total=len(recordings) * new_tokens, desc="positions", unit="pos", disable=not progress)
     for r in recordings:
@@ -231,12 +242,27 @@ def position_stats(
                 stats.oracle_len.append(in_top.index(False))
                 first = match[:, 0].tolist() + [False]
                 stats.top1_len.append(first.index(False))
+                if prefix is not None:
+                    _count_conditional(stats, prefix, m, list(seq[: n + 1]), truth.tolist(), vocab, top_k)
                 drafter.commit(sid, FeatureDelta(n, (seq[n],), r.features[n : n + 1]))
                 bar.update()
         finally:
             drafter.close(sid)
     bar.close()
     return stats
+
+
+def _count_conditional(stats: PositionStats, prefix, marginals, context: list[int], truth: list[int],
+                       vocab: torch.Tensor, top_k: int) -> None:
+    """Rank the whole draft vocabulary at each depth given the TRUE parent token."""
+    from presto_sd.method.scores import ScoringContext
+
+    ctx = ScoringContext(marginals, context)
+    for d in range(1, len(truth) + 1):
+        log_rho = prefix.log_rho(ctx, d, [truth[: d - 1]], vocab[None], None)[0]
+        best = vocab[log_rho.topk(top_k).indices]
+        stats.cond_hits[d - 1, 0] += int(best[0] == truth[d - 1])
+        stats.cond_hits[d - 1, 1] += int(truth[d - 1] in best.tolist())
 
 
 def replay_rows(logs: Sequence[RunLog]) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], conf
     t1 = time.perf_counter()
     datasets = list(dict.fromkeys(p.dataset for p in prompts))
     positions = {}
-    for ds in datasets:
+    for ds in datasets if args.positions_top_k > 0 else ():
         recs = [recordings[f"{p.dataset}/{p.id}"] for p in prompts if p.dataset == ds]
         positions[ds] = position_stats(stack.drafter, recs, config.params.max_new_tokens,
                                        args.positions_top_k, progress=not args.no_progress).summary()
@@ -63,5 +63,9 @@ def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], conf
         r1, rk = s["recall"]["1"], s["recall"][str(s["top_k"])]
         print(f"| {ds} | {' / '.join(f'{x:.3f}' for x in r1[:3])} | {rk[0]:.3f} | "
               f"{s['oracle_accept_mean']:.3f} | {s['top1_accept_mean']:.3f} |")
+        if "prefix_recall" in s:
+            c1 = s["prefix_recall"]["1"]
+            print(f"|   prefix head, given the true parent | {' / '.join(f'{x:.3f}' for x in c1[:3])} | "
+                  f"{s['prefix_recall'][str(s['top_k'])][0]:.3f} | | |")
     print(f"\nwrote {out}/replay.json (recordings: {rec_path})")
     return 0
