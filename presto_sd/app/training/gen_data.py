@@ -71,7 +71,7 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     from presto_sd.app.training.corpus import benchmark_ngrams, build_corpus, is_contaminated
 
     sources = tuple(s for s in cfg.sources.split(",") if s)
-    if sources == ("v1",):  # the shipped drafter's data (2026-11-29): first turns, no length sort
+    if sources == ("v1",):  # the shipped drafter's data (2026-11-29), reproduced as it was made
         return _cache_plan(cache, key, _plan_v1(cfg, tok), cfg)
     items = build_corpus(sources, cfg.n_code, cfg.n_arith, cfg.seed)
     order = torch.randperm(len(items), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
@@ -117,7 +117,8 @@ def _plan_v1(cfg: GenDataConfig, tok) -> list[list[tuple[str, list[int]]]]:
 
 def _fit_prompt(tok, messages: list[dict[str, str]], max_tokens: int) -> list[int] | None:
     """The prompt's ids with its oldest turns dropped until it fits; None if the last turn alone does not."""
-    budget_chars = max_tokens * 12  # no token is longer than this: skip hopeless histories untokenised
+    # a cheap pre-filter: a history averaging over 12 characters a token is dropped untokenised
+    budget_chars = max_tokens * 12
     while messages:
         if sum(len(m["content"]) for m in messages) <= budget_chars:
             ids = encode_messages(tok, messages)
