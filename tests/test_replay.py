@@ -103,3 +103,28 @@ def test_shipped_drafter_still_accepts():
     assert taus["marginal"] >= SHIPPED_FLOORS["marginal"], taus
     stats = position_stats(stack.drafter, list(recordings.values()), 32, top_k=4, progress=False)
     assert stats.recall(1)[0] >= SHIPPED_FLOORS["top1"], stats.summary()
+
+
+def test_replay_cli_writes_walks_positions_and_reuses_recordings(tiny_target, tmp_path, capsys):
+    import argparse
+    import json
+    from types import SimpleNamespace
+
+    from presto_sd.app.bench.replay_cli import run_replay
+
+    verifier, drafter = make_engines(tiny_target)
+    stack = SimpleNamespace(verifier=verifier, drafter=drafter)
+    rec = tmp_path / "rec.pt"
+    args = argparse.Namespace(recordings=str(rec), max_new_tokens=12, positions_top_k=4, no_progress=True)
+    run_replay(args, stack, PROMPTS, _config(n=12), tmp_path / "out", {"command": "test"})
+    result = json.loads((tmp_path / "out" / "replay.json").read_text())
+    assert result["replay"] and {r["method"] for r in result["rows"]} == set(METHODS) - {"ar"}
+    assert set(result["positions"]) == {"alpha", "beta"} and rec.exists()
+    assert len((tmp_path / "out" / "replay_runs.jsonl").read_text().splitlines()) == 3 * 7
+    assert "| alpha | linear |" in capsys.readouterr().out
+    # a second replay reads the recordings back instead of running the target again
+    verifier.prefill = None  # would fail if called
+    run_replay(argparse.Namespace(**{**vars(args), "positions_top_k": 0}), stack, PROMPTS, _config(n=12),
+               tmp_path / "again", {"command": "test"})
+    again = json.loads((tmp_path / "again" / "replay.json").read_text())
+    assert again["rows"] == result["rows"] and again["positions"] == {}
