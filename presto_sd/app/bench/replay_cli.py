@@ -59,8 +59,9 @@ def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], conf
         result["wall_s"]["positions"] = round(time.perf_counter() - t1, 1)
         _write(out, result)
     positions = result["positions"]
-    print("\n| dataset | top-1 @ depth 1..3 | top-16 @ depth 1 | oracle top-K accept | top-1 chain accept |")
-    print("|---|---|---|---|---|")
+    if positions:
+        print("\n| dataset | top-1 @ depth 1..3 | top-K @ depth 1 | oracle top-K accept | top-1 chain accept |")
+        print("|---|---|---|---|---|")
     for ds, s in positions.items():
         r1, rk = s["recall"]["1"], s["recall"][str(s["top_k"])]
         print(f"| {ds} | {' / '.join(f'{x:.3f}' for x in r1[:3])} | {rk[0]:.3f} | "
