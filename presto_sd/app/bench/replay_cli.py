@@ -60,7 +60,8 @@ def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], conf
         _write(out, result)
     positions = result["positions"]
     if positions:
-        print("\n| dataset | top-1 @ depth 1..3 | top-K @ depth 1 | oracle top-K accept | top-1 chain accept |")
+        print("\n| dataset | top-1 @ depth 1..3 | top-K @ depth 1 | oracle top-K accept "
+              "| top-1 chain accept |")
         print("|---|---|---|---|---|")
     for ds, s in positions.items():
         r1, rk = s["recall"]["1"], s["recall"][str(s["top_k"])]
