@@ -162,9 +162,9 @@ def replay_bench(
     bar = tqdm(total=len(prompts) * (len(jobs) + 1), desc="replay", unit="gen", disable=not progress)
     try:
         for i, prompt in enumerate(prompts):
-            key = f"{prompt.dataset}/{prompt.id}"
-            if key not in recordings:
-                recordings[key] = record(verifier, prompt.token_ids, config.params.max_new_tokens + depth + 1)
+            key, needed = f"{prompt.dataset}/{prompt.id}", config.params.max_new_tokens + depth + 1
+            if key not in recordings or len(recordings[key].continuation) < needed:  # none, or too short
+                recordings[key] = record(verifier, prompt.token_ids, needed)
             bar.update()
             ctx = BenchContext(OracleVerifier(recordings[key], verifier.info()), drafter)
             for job in jobs:
