@@ -21,17 +21,19 @@ from presto_sd.app.bench.runner import BenchConfig, BenchPrompt
 from presto_sd.models.cache import cache_dir
 
 
-def _recordings_path(args: argparse.Namespace, target: str, prompts: list[BenchPrompt], dtype: str) -> Path:
+def _recordings_path(args: argparse.Namespace, info, prompts: list[BenchPrompt]) -> Path:
+    """One file per target, dtype, feature layers, length and prompt set."""
     if args.recordings:
         return Path(args.recordings)
-    key = json.dumps([target, dtype, args.max_new_tokens, [p.token_ids for p in prompts]])
+    key = json.dumps([info.model, info.dtype, list(info.target_layer_ids), args.max_new_tokens,
+                      [p.token_ids for p in prompts]])
     return cache_dir("replay") / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
 def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], config: BenchConfig,
                out: Path, meta: dict[str, Any]) -> int:
     info = stack.verifier.info()
-    rec_path = _recordings_path(args, info.model, prompts, info.dtype)
+    rec_path = _recordings_path(args, info, prompts)
     recordings = load_recordings(rec_path) if rec_path.exists() else {}
     t0 = time.perf_counter()
     logs, recordings = replay_bench(stack.verifier, stack.drafter, prompts, config,
