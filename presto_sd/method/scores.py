@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -220,7 +221,7 @@ class PrefixRho:
 
     draft_head: torch.Tensor  # [Vd, H]
     t2d: torch.Tensor  # long [V]
-    transition: object  # Callable[[Tensor, Tensor], Tensor]
+    transition: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     name: str = "prefix"
 
     @torch.no_grad()
@@ -237,9 +238,8 @@ class PrefixRho:
         cond = logits[None] + self.transition(h.expand(len(prefixes), -1), self.t2d[parents]).float()
         logp = torch.log_softmax(cond, dim=-1)  # [P, Vd]
         cand = self.t2d[candidates]  # [P, C]; a candidate outside the draft vocabulary has q = 0
-        out = logp.gather(1, cand.clamp_min(0))
-        return torch.where(cand >= 0, out, torch.full_like(out, math.log(RHO_FLOOR))).clamp(
-            min=math.log(RHO_FLOOR))
+        floor = math.log(RHO_FLOOR)
+        return logp.gather(1, cand.clamp_min(0)).clamp(min=floor).masked_fill(cand < 0, floor)
 
 
 def prefix_aligned_scores(

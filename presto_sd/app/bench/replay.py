@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from presto_sd.app.bench.methods import BenchContext, get_method
-from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, Job
+from presto_sd.app.bench.methods import BenchContext
+from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, Job, run_one
 from presto_sd.app.bench.stats import RunLog
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, SessionNotFoundError, check_base
@@ -50,9 +51,14 @@ class Recording:
     continuation: tuple[int, ...]  # greedy tokens after the prompt (past any EOS)
     features: torch.Tensor  # [len(prompt) + len(continuation) - 1, F]: every fed token's
 
-    @property
+    @cached_property
     def tokens(self) -> tuple[int, ...]:
         return self.prompt + self.continuation
+
+
+def recording_key(prompt: BenchPrompt) -> str:
+    """Where a prompt's recording sits in a recordings file."""
+    return f"{prompt.dataset}/{prompt.id}"
 
 
 def record(
@@ -68,7 +74,7 @@ def record(
     try:
         cont, feats, base, anchor = [pre.anchor], [pre.delta.features], pre.base, pre.anchor
         while len(cont) < new_tokens:
-            res = verifier.verify(session_id, base, TokenTree.root_only(anchor))
+            res = verifier.step(session_id, base, anchor)
             feats.append(res.delta.features)
             cont.append(res.bonus)
             base, anchor = res.base, res.bonus
@@ -78,18 +84,12 @@ def record(
 
 
 @dataclass
-class _OracleSession:
-    base: int
-    anchor: int
-
-
-@dataclass
 class OracleVerifier(Verifier):
     """A verifier that knows the target's greedy continuation of one recorded prompt."""
 
     recording: Recording
     target_info: VerifierInfo
-    sessions: dict[str, _OracleSession] = field(default_factory=dict)
+    bases: dict[str, int] = field(default_factory=dict)  # session -> committed length
 
     def info(self) -> VerifierInfo:
         return self.target_info
@@ -109,14 +109,13 @@ class OracleVerifier(Verifier):
             raise InvalidArgumentError("replay: greedy only (sampled acceptance is not deterministic)")
         if tuple(token_ids) != r.prompt or (anchor is not None and anchor != r.continuation[0]):
             raise InvalidArgumentError("replay: this oracle knows only its recorded prompt")
-        self.sessions[session_id] = _OracleSession(len(r.prompt), r.continuation[0])
+        self.bases[session_id] = len(r.prompt)
         return PrefillResult(r.continuation[0], self._delta(0, len(r.prompt)), len(r.prompt))
 
     def verify(self, session_id, base, tree: TokenTree, want_node_probs=False) -> VerifyResult:
-        s = self.sessions.get(session_id)
-        if s is None:
+        if session_id not in self.bases:
             raise SessionNotFoundError(f"replay: unknown session {session_id!r}")
-        check_base(session_id, s.base, base)
+        check_base(session_id, self.bases[session_id], base)
         seq = self.recording.tokens
         node, accepted, path = 0, [], [0]
         while True:  # greedy walk: follow the child carrying the target's next token
@@ -131,11 +130,11 @@ class OracleVerifier(Verifier):
             node = child
         new_base = base + len(accepted) + 1
         delta = self._delta(base, new_base)
-        s.base, s.anchor = new_base, seq[new_base]
+        self.bases[session_id] = new_base
         return VerifyResult(tuple(accepted), seq[new_base], delta, new_base, None, tuple(path))
 
     def close(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+        self.bases.pop(session_id, None)
 
 
 def replay_jobs(config: BenchConfig) -> list[Job]:
@@ -150,7 +149,8 @@ def replay_bench(
     progress: bool = True,
     recordings: dict[str, Recording] | None = None,
 ) -> tuple[list[RunLog], dict[str, Recording]]:
-    """Every replayable job of ``config`` on every prompt; one ``RunLog`` each (no timings)."""
+    """Every replayable job of ``config`` on every prompt; one ``RunLog`` each (its times are
+    the drafter's alone: the oracle's verify costs nothing)."""
     if not config.greedy:
         raise ValueError("replay: greedy only (--temperature 0)")
     jobs = replay_jobs(config)
@@ -162,18 +162,13 @@ def replay_bench(
     bar = tqdm(total=len(prompts) * (len(jobs) + 1), desc="replay", unit="gen", disable=not progress)
     try:
         for i, prompt in enumerate(prompts):
-            key, needed = f"{prompt.dataset}/{prompt.id}", config.params.max_new_tokens + depth + 1
+            key, needed = recording_key(prompt), config.params.max_new_tokens + depth + 1
             if key not in recordings or len(recordings[key].continuation) < needed:  # none, or too short
                 recordings[key] = record(verifier, prompt.token_ids, needed)
             bar.update()
             ctx = BenchContext(OracleVerifier(recordings[key], verifier.info()), drafter)
             for job in jobs:
-                params = config.job_params(job, i)
-                res = get_method(job.method).run(ctx, list(prompt.token_ids), params)
-                logs.append(RunLog(
-                    dataset=prompt.dataset, prompt_id=prompt.id, method=job.method, budget=job.budget,
-                    token_ids=list(res.token_ids), rounds=list(res.rounds), prefill_s=0.0, decode_s=0.0,
-                    finish_reason=res.finish_reason, params=get_method(job.method).describe(ctx, params)))
+                logs.append(run_one(ctx, prompt, job, config.job_params(job, i)))
                 bar.update()
     finally:
         bar.close()
@@ -275,8 +270,7 @@ def replay_rows(logs: Sequence[RunLog]) -> list[dict[str, Any]]:
 
 
 def save_recordings(path, recordings: dict[str, Recording]) -> None:
-    torch.save({k: (r.prompt, r.continuation, r.features.to(torch.float32)) for k, r in recordings.items()},
-               path)
+    torch.save({k: (r.prompt, r.continuation, r.features) for k, r in recordings.items()}, path)
 
 
 def load_recordings(path) -> dict[str, Recording]:

@@ -12,6 +12,7 @@ from typing import Any
 from presto_sd.app.bench.replay import (
     load_recordings,
     position_stats,
+    recording_key,
     replay_bench,
     replay_rows,
     save_recordings,
@@ -54,7 +55,7 @@ def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], conf
               f"{r['mean_tree_size']:.1f} |")
     datasets = list(dict.fromkeys(p.dataset for p in prompts))
     for ds in datasets if args.positions_top_k > 0 else ():
-        recs = [recordings[f"{p.dataset}/{p.id}"] for p in prompts if p.dataset == ds]
+        recs = [recordings[recording_key(p)] for p in prompts if p.dataset == ds]
         stats = position_stats(stack.drafter, recs, config.params.max_new_tokens, args.positions_top_k,
                                progress=not args.no_progress)
         result["positions"][ds] = stats.summary()
