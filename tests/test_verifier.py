@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.embedded.session_kv import Segment
 from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
@@ -36,9 +37,10 @@ def test_tree_logits_equal_causal_path_logits(tiny_target):
     tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
     s = v.sessions["s"]
     mask_fn = __import__("presto_sd.method.tree", fromlist=["tree_attention_mask"]).tree_attention_mask
-    hidden, _ = v._forward(s.cache, list(tree.tokens), tree.position_ids(len(PROMPT)),
-                           mask_fn(tree, len(PROMPT)))
-    logits = v._logits(hidden)
+    seg = Segment(s.kv, 0, len(tree.tokens), mask_fn(tree, len(PROMPT)))
+    with torch.inference_mode():  # the session's buffers are inference tensors
+        hidden, _ = v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
+        logits = v._logits(hidden)
     for node in range(len(tree.tokens)):
         ref = full_logits(tiny_target, PROMPT + tree.path_tokens(node))[-1]
         torch.testing.assert_close(logits[node], ref, atol=LOGIT_ATOL, rtol=0)
@@ -61,10 +63,11 @@ def test_compacted_kv_equals_ar_kv(tiny_target):
     ref = DynamicCache()
     with torch.no_grad():
         tiny_target(torch.tensor([committed]), past_key_values=ref, use_cache=True)
-    cache = v.sessions["s"].cache
-    for mine, theirs in zip(cache.layers, ref.layers):
-        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=0)
-        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=0)
+    kv = v.sessions["s"].kv
+    for layer, theirs in enumerate(ref.layers):
+        keys, values = kv.committed(layer)
+        torch.testing.assert_close(keys, theirs.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(values, theirs.values, atol=1e-5, rtol=0)
     # the feature delta covers the anchor and the accepted tokens, at the old base
     assert res.delta.start == len(PROMPT) and res.delta.tokens == tuple(greedy[:3])
     assert res.base == len(PROMPT) + 3
@@ -185,7 +188,7 @@ def test_a_failed_forward_leaves_the_session_intact(tiny_target, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated"):
         v.verify("s", pre.base, tree)
     monkeypatch.undo()
-    assert v.sessions["s"].cache.layers[0].keys.shape[-2] == len(PROMPT)
+    assert v.sessions["s"].kv.length == len(PROMPT)
     out, base = [pre.anchor], pre.base
     for _ in range(4):
         r = v.step("s", base, out[-1])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from presto_sd.embedded import hf_verifier as hf
 from presto_sd.embedded.hf_verifier import HFVerifier
-from presto_sd.embedded.packing import ForwardCost, plan_batches
+from presto_sd.embedded.session_kv import Segment, SessionKV, packed_forward
 from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
@@ -18,12 +19,11 @@ from presto_sd.engine.messages import (
 from presto_sd.engine.verifier import VerifierLimits, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
-from presto_sd.method.tree import TokenTree, TreeBatch, TreeLimits, tree_attention_mask
+from presto_sd.method.tree import TokenTree, TreeLimits
 from tests.conftest import hf_greedy, make_engines
 from tests.rpc_util import LocalServer
 from verifier_service.remote import RemoteVerifier
 
-LAYOUTS = ["packed", "padded", "auto"]
 PROMPTS = [[0, 3, 5], [0, 1, 1, 2, 3, 5, 8, 13], [4] * 20, [0, 9, 2, 7, 7, 1]]
 ATOL = 1e-5
 
@@ -40,74 +40,49 @@ def small_trees() -> list[TokenTree]:
     ]
 
 
-# -- the layout, without a model ----------------------------------------------------------
-@pytest.mark.parametrize("make", [TreeBatch.packed, TreeBatch.padded])
-def test_each_node_sees_its_own_prefix_and_ancestors(make):
-    trees, bases = small_trees(), [3, 6, 2]
-    batch = make(trees, bases)
-    mask = batch.attention_mask()
-    rows, p, q_len = len(batch.rows), batch.prefix_len, batch.query_len
-    assert mask.shape == (rows, 1, q_len, p + q_len) and mask.dtype == torch.float32
-    allowed = mask[:, 0] == 0
-    expected = torch.zeros_like(allowed)
-    expected[:, :, p:] = torch.eye(q_len, dtype=torch.bool)  # padding queries: themselves only
-    ids, pos = batch.input_ids(), batch.position_ids()
-    for i, (tree, base) in enumerate(zip(trees, bases)):
-        r, k, q = batch.slot(i)
-        n = len(tree.tokens)
-        # per tree, exactly the single-tree mask: its prefix, then its ancestors
-        own = tree_attention_mask(tree, base)[0, 0] == 0
-        expected[r, q : q + n] = False
-        expected[r, q : q + n, k : k + base] = own[:, :base]
-        expected[r, q : q + n, p + q : p + q + n] = own[:, base:]
-        assert ids[r, q : q + n].tolist() == list(tree.tokens)
-        assert pos[r, q : q + n].tolist() == [base + d for d in tree.depths]
-    assert torch.equal(allowed, expected)
+# -- one session's buffers, without a model -------------------------------------------
+def test_session_kv_grows_keeps_a_path_and_truncates():
+    kv = SessionKV(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32)
+    entries = torch.arange(10.0).repeat_interleave(2).view(1, 1, 10, 2)
+    kv.reserve(3)
+    kv.write(0, entries[:, :, :3], -entries[:, :, :3])
+    kv.keep([0, 1, 2])
+    cap = kv.capacity
+    kv.reserve(cap + 1)  # doubling keeps what is committed
+    assert kv.capacity == 2 * cap and torch.equal(kv.committed(0)[0], entries[:, :, :3])
+    k, v = kv.write(0, entries[:, :, 3:8], -entries[:, :, 3:8])  # a tree's five nodes
+    assert k.shape[2] == 8 and kv.length == 3  # written after the committed, not committed
+    kv.keep([0, 2, 4])  # an accepted path off the node order, moved down in place
+    keys, values = kv.committed(0)
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 7] and torch.equal(values, -keys)
+    kv.truncate(4)
+    assert kv.length == 4 and kv.nbytes == 2 * 2 * kv.capacity * 2 * 4
+    assert SessionKV.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 
 
-def test_packed_and_padded_shapes():
-    trees, bases = small_trees(), [3, 6, 2]
-    packed, padded = TreeBatch.packed(trees, bases), TreeBatch.padded(trees, bases)
-    assert (len(packed.rows), packed.prefix_len, packed.query_len) == (1, 11, 9)
-    assert (len(padded.rows), padded.prefix_len, padded.query_len) == (3, 6, 5)
-    assert [packed.slot(i) for i in range(3)] == [(0, 0, 0), (0, 3, 3), (0, 9, 4)]
-    assert [padded.slot(i) for i in range(3)] == [(0, 3, 0), (1, 0, 0), (2, 4, 0)]  # left-padded prefixes
-
-
-def test_bf16_mask_uses_its_own_minimum():
-    mask = TreeBatch.padded(small_trees(), [1, 2, 3]).attention_mask(torch.bfloat16)
-    assert mask.dtype == torch.bfloat16 and mask.min() == torch.finfo(torch.bfloat16).min
-
-
-def test_rows_must_split_the_trees():
-    trees = small_trees()[:2]
-    for rows in [((0,),), ((0, 1), (1,)), ((0,), ()), ((0, 2), (1,))]:
-        with pytest.raises(ValueError, match="rows"):
-            TreeBatch(tuple(trees), (1, 1), rows)
-    with pytest.raises(ValueError, match="bases"):
-        TreeBatch(tuple(trees), (1,), ((0, 1),))
-
-
-SMOLLM2 = ForwardCost(per_token=2 * 3.54e6 * 30, per_pair=4 * 576 * 30)  # its decoder's FLOPs
-
-
-def test_the_flop_count_picks_the_layout_measured_faster():
-    """SmolLM2 on one CPU thread (docs/services.md): equal trees ran faster padded,
-    trees of very different sizes packed."""
-    def pick(sizes, contexts):
-        trees = [TokenTree.from_lists([1] * n, chain(n)) for n in sizes]
-        return plan_batches(trees, contexts, SMOLLM2)[0][1]
-
-    assert len(pick([17] * 4, [200] * 4).rows) == 4
-    assert len(pick([17] * 8, [200] * 8).rows) == 8
-    assert len(pick([5, 9, 17, 65], [200] * 4).rows) == 1
-
-
-def test_a_batch_over_the_mask_cap_is_split_in_order():
-    trees = [TokenTree.from_lists([1] * 8, chain(8)) for _ in range(5)]
-    plan = plan_batches(trees, [100] * 5, SMOLLM2, "padded", max_mask_elements=2 * 8 * 108)
-    assert [group for group, _ in plan] == [[0, 1], [2, 3], [4]]
-    assert plan_batches(trees, [100] * 5, SMOLLM2, "packed", max_mask_elements=1)[0][0] == [0]
+def test_a_lone_session_computes_exactly_a_cached_forward(tiny_target):
+    """In place, per-session attention is transformers' own sdpa over the same keys: bitwise."""
+    decoder, prompt = tiny_target.get_decoder(), list(range(1, 14))
+    with torch.no_grad():
+        ref = DynamicCache()
+        ids = torch.tensor([prompt])
+        want = [decoder(input_ids=ids, cache=ref, use_cache=True).last_hidden_state]
+        kv = SessionKV.for_model(tiny_target)
+        with packed_forward(tiny_target, [Segment(kv, 0, len(prompt))]):
+            got = [decoder(input_ids=ids, use_cache=False).last_hidden_state]
+        kv.keep(range(len(prompt)))
+        for t in (3, 1, 4):
+            pos = torch.tensor([[kv.length]])
+            want.append(decoder(input_ids=torch.tensor([[t]]), position_ids=pos, cache=ref,
+                                use_cache=True).last_hidden_state)
+            with packed_forward(tiny_target, [Segment(kv, 0, 1)]):
+                out = decoder(input_ids=torch.tensor([[t]]), position_ids=pos, use_cache=False)
+            got.append(out.last_hidden_state)
+            kv.keep([0])
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    for layer, theirs in enumerate(ref.layers):
+        assert torch.equal(kv.committed(layer)[0], theirs.keys)
+    assert tiny_target.config._attn_implementation != "presto_sessions"  # restored after each forward
 
 
 # -- against per-request verification on the tiny target ----------------------------------
@@ -125,9 +100,9 @@ def oracle_tree(anchor: int, truth: list[int], g: torch.Generator, vocab: int = 
     return TokenTree.from_lists(tokens, parents)
 
 
-def open_twice(target, prompts, layout="auto", sampling=None):
+def open_twice(target, prompts, sampling=None):
     """The same sessions on a batching verifier and on a reference one."""
-    batched, ref = HFVerifier(target, (0, 2), batch_layout=layout), HFVerifier(target, (0, 2))
+    batched, ref = HFVerifier(target, (0, 2)), HFVerifier(target, (0, 2))
     for i, prompt in enumerate(prompts):
         s = sampling[i] if sampling else SamplingParams()
         assert batched.prefill(f"s{i}", prompt, s).anchor == ref.prefill(f"s{i}", prompt, s).anchor
@@ -146,15 +121,14 @@ def assert_same(res: VerifyResult, want: VerifyResult) -> None:
 def assert_same_caches(a: HFVerifier, b: HFVerifier, sid: str) -> None:
     sa, sb = a.sessions[sid], b.sessions[sid]
     assert sa.tokens == sb.tokens
-    for la, lb in zip(sa.cache.layers, sb.cache.layers):
-        torch.testing.assert_close(la.keys, lb.keys, atol=ATOL, rtol=0)
-        torch.testing.assert_close(la.values, lb.values, atol=ATOL, rtol=0)
+    for layer in range(len(sa.kv.keys)):
+        for a_kv, b_kv in zip(sa.kv.committed(layer), sb.kv.committed(layer)):
+            torch.testing.assert_close(a_kv, b_kv, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_batch_equals_one_by_one(tiny_target, layout):
-    """Different contexts (3..20) and tree sizes (1..17 nodes), three rounds."""
-    batched, ref = open_twice(tiny_target, PROMPTS, layout)
+def test_batch_equals_one_by_one(tiny_target):
+    """Different contexts (3..20) and tree sizes (1..17 nodes: AR rows among tree rows), three rounds."""
+    batched, ref = open_twice(tiny_target, PROMPTS)
     g = torch.Generator().manual_seed(0)
     for rnd in range(3):
         calls = []
@@ -209,11 +183,10 @@ def sampling_tree(anchor: int) -> TokenTree:
     return TokenTree.from_lists(tokens, parents)
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_sampling_with_seeds_equals_one_by_one(tiny_target, layout):
+def test_sampling_with_seeds_equals_one_by_one(tiny_target):
     sampling = [SamplingParams(temperature=t, top_k=k, seed=s)
                 for t, k, s in [(1.0, 0, 1), (0.7, 8, 2), (1.3, 0, 3)]]
-    batched, ref = open_twice(tiny_target, PROMPTS[:3], layout, sampling)
+    batched, ref = open_twice(tiny_target, PROMPTS[:3], sampling)
     accepted = 0
     for _ in range(6):
         calls = [VerifyCall(sid, s.base, sampling_tree(s.tokens[-1])) for sid, s in ref.sessions.items()]
@@ -246,7 +219,7 @@ def test_bad_calls_get_their_own_errors_and_the_others_go_on(tiny_target):
     for j in (0, 5):
         assert_same(got[j], ref.verify(calls[j].session_id, calls[j].base, calls[j].tree))
     for sid in ("s1", "s2"):  # refused: untouched, and they go on as AR
-        assert batched.sessions[sid].cache.layers[0].keys.shape[-2] == s[sid].base
+        assert batched.sessions[sid].kv.length == s[sid].base
         r = batched.step(sid, s[sid].base, s[sid].tokens[-1])
         assert r.bonus == hf_greedy(tiny_target, PROMPTS[int(sid[1])], 2)[1]
     assert batched.verify_batch([]) == []
@@ -264,11 +237,11 @@ def test_over_a_limit_is_resource_exhausted_in_its_slot(tiny_target):
 @pytest.mark.parametrize("stage", ["forward", "walk", "commit"])
 def test_a_failure_rolls_every_session_back(tiny_target, monkeypatch, stage):
     sampling = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
-    batched, ref = open_twice(tiny_target, PROMPTS[:3], "packed", sampling)
+    batched, ref = open_twice(tiny_target, PROMPTS[:3], sampling)
     calls = [VerifyCall(sid, s.base, sampling_tree(s.tokens[-1])) for sid, s in batched.sessions.items()]
     before = {sid: (list(s.tokens), s.generator.get_state()) for sid, s in batched.sessions.items()}
-    owner, name = {"forward": (HFVerifier, "_forward_rows"), "walk": (hf, "walk_tree"),
-                   "commit": (hf, "append_kv")}[stage]
+    owner, name = {"forward": (HFVerifier, "_forward"), "walk": (hf, "walk_tree"),
+                   "commit": (SessionKV, "keep")}[stage]
     real, seen = getattr(owner, name), []
 
     def fail_second(*args, **kwargs):  # the first goes through: one session walked or committed
@@ -283,7 +256,7 @@ def test_a_failure_rolls_every_session_back(tiny_target, monkeypatch, stage):
         batched.verify_batch(calls)
     monkeypatch.undo()
     for sid, s in batched.sessions.items():
-        assert s.cache.layers[0].keys.shape[-2] == s.base == len(before[sid][0]) - 1
+        assert s.kv.length == s.base == len(before[sid][0]) - 1
         assert s.tokens == before[sid][0] and torch.equal(s.generator.get_state(), before[sid][1])
     # as if the failed call never happened: the same draws as the reference
     for c, res in zip(calls, batched.verify_batch(calls)):

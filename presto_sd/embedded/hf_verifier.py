@@ -1,9 +1,11 @@
 """``HFVerifier``: the target as any transformers causal LM, verifying trees in one forward.
 
-Tree attention uses transformers' custom 4-D additive masks: a node sees the committed
-prefix and its own ancestors, at position ``base + depth``. After the walk the KV cache
-keeps exactly the accepted path (gather, drop the rest), which equals the KV that AR
-decoding of the same tokens produces (tests hold this).
+Every forward is one packed sequence of new tokens (a prompt, one tree, or many
+sessions' trees and AR tokens together) whose attention runs per session over that
+session's own KV buffers, in place (``session_kv``). A tree node sees the committed prefix
+and its own ancestors, at position ``base + depth``. After the walk the session keeps
+exactly the accepted path, which equals the KV that AR decoding of the same tokens
+produces (tests hold this).
 """
 
 from __future__ import annotations
@@ -13,18 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from presto_sd.embedded.cost_calibration import calibrate_verify_cost
-from presto_sd.embedded.packing import (
-    KV,
-    LAYOUTS,
-    ForwardCost,
-    append_kv,
-    gather_cache,
-    node_kv,
-    plan_batches,
-)
+from presto_sd.embedded.session_kv import Segment, SessionKV, packed_forward
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
@@ -50,12 +44,11 @@ from presto_sd.method.acceptance import (
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
-from presto_sd.models.loading import cache_kwarg
 
 
 @dataclass
 class _Session:
-    cache: DynamicCache
+    kv: SessionKV
     tokens: list[int]  # committed tokens; the last one is the pending anchor
     sampling: SamplingParams
     generator: torch.Generator
@@ -74,10 +67,7 @@ class HFVerifier(Verifier):
         limits: VerifierLimits = VerifierLimits(),
         eos_token_ids: tuple[int, ...] = (),
         name: str = "",
-        batch_layout: str = "auto",  # verify_batch: auto | packed | padded (presto_sd.embedded.packing)
     ) -> None:
-        if batch_layout not in LAYOUTS:
-            raise ValueError(f"batch_layout {batch_layout!r}: not one of {LAYOUTS}")
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -95,11 +85,9 @@ class HFVerifier(Verifier):
         )
         self.eos_token_ids = tuple(eos_token_ids)
         self.name = name or model.config.name_or_path
-        self._cache_kwarg = cache_kwarg(self.decoder)
         self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
-        self.batch_layout, self._flops = batch_layout, ForwardCost.of(model)
 
     @property
     def device(self) -> torch.device:
@@ -132,26 +120,21 @@ class HFVerifier(Verifier):
 
     # -- the forward --------------------------------------------------------------------
     def _forward(
-        self, cache: DynamicCache, input_ids: list[int], positions: torch.Tensor, mask
+        self, segments: list[Segment], input_ids: list[int], positions: list[int] | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence: final hidden states [T, H] and target-layer features [T, F]."""
-        hidden, feats = self._forward_rows(cache, torch.tensor([input_ids]), positions[None], mask)
-        return hidden[0], feats[0]
-
-    def _forward_rows(
-        self, cache: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor, mask
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [R, T]: final hidden states [R, T, H] and target-layer features [R, T, F]."""
-        out = self.decoder(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=mask,
-            use_cache=True,
-            output_hidden_states=True,
-            **{self._cache_kwarg: cache},
-        )
+        """One packed forward of every segment's new tokens: final hidden states [N, H] and
+        target-layer features [N, F]. Each session's KV buffers receive its new entries
+        after its committed length (``SessionKV.keep`` commits them)."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        with packed_forward(self.model, segments):
+            out = self.decoder(
+                input_ids=torch.tensor([input_ids], device=self.device),
+                position_ids=positions[None].to(self.device),
+                use_cache=False,
+                output_hidden_states=True,
+            )
         feats = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
-        return out.last_hidden_state, feats
+        return out.last_hidden_state[0], feats[0]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -177,13 +160,12 @@ class HFVerifier(Verifier):
         self.sessions.check_room(session_id)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        # plain dynamic layers: sliding-window layers would drop entries the tree mask indexes
-        cache = DynamicCache()
-        positions = torch.arange(len(token_ids))
-        hidden, feats = self._forward(cache, token_ids, positions, None)
+        kv = SessionKV.for_model(self.model)
+        hidden, feats = self._forward([Segment(kv, 0, len(token_ids))], token_ids, range(len(token_ids)))
         if anchor is None:
             anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
-        session = _Session(cache, [*token_ids, anchor], sampling, generator)
+        kv.keep(range(len(token_ids)))
+        session = _Session(kv, [*token_ids, anchor], sampling, generator)
         self.sessions.open(session_id, session)
         delta = FeatureDelta(0, tuple(token_ids), feats)
         return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
@@ -193,18 +175,17 @@ class HFVerifier(Verifier):
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
         s = self._check(session_id, base, tree)
-        return self._verify_in_place(s, base, tree, want_node_probs)
+        return self._verify([(s, VerifyCall(session_id, base, tree, want_node_probs))])[0]
 
     @torch.inference_mode()
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
-        """Every valid call's tree in ONE target forward (``packing``: packed or padded rows).
+        """Every valid call's tree (an AR step is a root-only tree) in ONE target forward.
 
         Each call is checked as ``verify`` checks it, and a session named twice is refused
         the second time (INVALID_ARGUMENT); a refused call gets its error in its slot and
-        stays out of the forward, its session untouched. The forward runs on a temporary
-        cache gathered from the sessions' caches; each session then walks its own nodes
-        with its own generator (so draws are those of sequential ``verify``) and appends
-        the accepted path's KV. A failure anywhere leaves every session at its base.
+        stays out of the forward, its session untouched. Each session then walks its own
+        nodes with its own generator (so draws are those of sequential ``verify``) and
+        keeps its accepted path. A failure anywhere leaves every session at its base.
         """
         out: list[VerifyResult | EngineError | None] = [None] * len(calls)
         todo: list[tuple[int, _Session]] = []
@@ -219,12 +200,8 @@ class HFVerifier(Verifier):
                 todo.append((j, self._check(c.session_id, c.base, c.tree)))
             except EngineError as e:
                 out[j] = e
-        if len(todo) == 1:  # nothing to batch: the session's own cache, no gather
-            (j, s), = todo
-            out[j] = self._verify_in_place(s, calls[j].base, calls[j].tree, calls[j].want_node_probs)
-        elif todo:
-            results = self._verify_together([(s, calls[j]) for j, s in todo])
-            for (j, _), r in zip(todo, results):
+        if todo:
+            for (j, _), r in zip(todo, self._verify([(s, calls[j]) for j, s in todo])):
                 out[j] = r
         return out
 
@@ -251,55 +228,38 @@ class HFVerifier(Verifier):
             )
         return s
 
-    def _verify_in_place(
-        self, s: _Session, base: int, tree: TokenTree, want_node_probs: bool
-    ) -> VerifyResult:
-        """The forward on the session's own cache, the walk, then keep the accepted path.
+    def _verify(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
+        """Checked calls on distinct sessions: one forward, the walks, then the commits.
 
-        Only these single-tree verifications refine the cost model (TAPS's ``c(B)`` is per
-        tree), timed over the same span as the calibration's: the whole verification.
+        Only single-tree forwards refine the cost model (TAPS's ``c(B)`` is per tree), timed
+        over the same span as the calibration's: the whole verification.
         """
         t0 = time.perf_counter()
-        mask = None
-        if len(tree.tokens) > 1:
-            mask = tree_attention_mask(tree, base, dtype=self.model.dtype).to(self.device)
-        rng = s.generator.get_state()
-        try:
-            hidden, feats = self._forward(s.cache, list(tree.tokens), tree.position_ids(base), mask)
-            walk, node_probs = self._walk(s, tree, hidden, want_node_probs)
-        except BaseException:
-            _rollback(s, base, rng)  # never half-applied
-            raise
-        keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
-        _compact_cache(s.cache, keep)
-        result = self._commit(s, base, tree, walk, feats, node_probs)
-        if self.forward_costs.prior is not None:  # refine the calibrated fit, never replace it
-            self.forward_costs.observe(len(tree.tokens), base, time.perf_counter() - t0)
-        return result
-
-    def _verify_together(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
-        """Checked calls on distinct sessions: forward(s) and walks first, commits after."""
-        trees, bases = [c.tree for _, c in items], [c.base for _, c in items]
+        segments, input_ids, positions = [], [], []
+        for s, c in items:
+            n = len(c.tree.tokens)
+            mask = None if n == 1 else tree_attention_mask(c.tree, c.base, self.model.dtype).to(self.device)
+            segments.append(Segment(s.kv, len(input_ids), n, mask))
+            input_ids += c.tree.tokens
+            positions += [c.base + d for d in c.tree.depths]
         rngs = [s.generator.get_state() for s, _ in items]
-        walked: list[tuple[WalkResult, torch.Tensor | None, torch.Tensor, KV]] = []
         try:
-            for group, batch in plan_batches(trees, bases, self._flops, self.batch_layout):
-                cache = gather_cache([items[i][0].cache for i in group], batch)
-                mask = batch.attention_mask(self.model.dtype).to(self.device)
-                hidden, feats = self._forward_rows(cache, batch.input_ids(), batch.position_ids(), mask)
-                for k, i in enumerate(group):
-                    (s, c), (r, _, q) = items[i], batch.slot(k)
-                    nodes = slice(q, q + len(c.tree.tokens))
-                    walk, node_probs = self._walk(s, c.tree, hidden[r, nodes], c.want_node_probs)
-                    walked.append((walk, node_probs, feats[r, nodes], node_kv(cache, batch, k, walk.path)))
+            hidden, feats = self._forward(segments, input_ids, positions)
+            walked = []
+            for (s, c), seg in zip(items, segments):
+                rows = slice(seg.start, seg.start + seg.n)
+                walked.append((*self._walk(s, c.tree, hidden[rows], c.want_node_probs), feats[rows]))
             results = []
-            for (s, c), (walk, node_probs, f, kv) in zip(items, walked):
-                append_kv(s.cache, kv)
+            for (s, c), (walk, node_probs, f) in zip(items, walked):
+                s.kv.keep(walk.path)
                 results.append(self._commit(s, c.base, c.tree, walk, f, node_probs))
         except BaseException:
             for (s, c), rng in zip(items, rngs):
-                _rollback(s, c.base, rng)
+                _rollback(s, c.base, rng)  # never half-applied
             raise
+        if len(items) == 1 and self.forward_costs.prior is not None:  # refine the fit, never replace it
+            (_, c), = items
+            self.forward_costs.observe(len(c.tree.tokens), c.base, time.perf_counter() - t0)
         return results
 
     def _walk(
@@ -332,21 +292,11 @@ class HFVerifier(Verifier):
 
 
 def _rollback(s: _Session, base: int, rng: torch.Tensor) -> None:
-    """Back to ``base``: the KV, the committed tokens and the generator's state."""
-    _compact_cache(s.cache, torch.arange(base))
+    """Back to ``base``: the committed tokens and the generator's state (the KV's committed
+    length only moves on success)."""
+    s.kv.truncate(base)
     del s.tokens[base + 1 :]
     s.generator.set_state(rng)
-
-
-def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:
-    """Keep only the KV positions in ``keep`` (the prefix and the accepted path)."""
-    contiguous = len(keep) == 0 or int(keep[-1]) == len(keep) - 1  # a plain truncation
-    for layer in cache.layers:
-        if contiguous:
-            layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
-        else:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
 
 
 def _max_context(config, requested: int) -> int:
