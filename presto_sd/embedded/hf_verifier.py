@@ -245,10 +245,13 @@ class HFVerifier(Verifier):
         rngs = [s.generator.get_state() for s, _ in items]
         try:
             hidden, feats = self._forward(segments, input_ids, positions)
+            # every walk starts at its root: those rows' logits in one lm_head matmul, not one each
+            roots = self._logits(hidden[[seg.start for seg in segments]]) if len(items) > 1 else None
             walked = []
-            for (s, c), seg in zip(items, segments):
+            for k, ((s, c), seg) in enumerate(zip(items, segments)):
                 rows = slice(seg.start, seg.start + seg.n)
-                walked.append((*self._walk(s, c.tree, hidden[rows], c.want_node_probs), feats[rows]))
+                root = None if roots is None else roots[k]
+                walked.append((*self._walk(s, c.tree, hidden[rows], c.want_node_probs, root), feats[rows]))
             results = []
             for (s, c), (walk, node_probs, f) in zip(items, walked):
                 s.kv.keep(walk.path)
@@ -263,15 +266,19 @@ class HFVerifier(Verifier):
         return results
 
     def _walk(
-        self, s: _Session, tree: TokenTree, hidden: torch.Tensor, want_node_probs: bool
+        self, s: _Session, tree: TokenTree, hidden: torch.Tensor, want_node_probs: bool,
+        root_logits: torch.Tensor | None = None,
     ) -> tuple[WalkResult, torch.Tensor | None]:
         """Sample-and-match over the tree's hidden states [N, H], with the session's generator."""
         if want_node_probs:  # traces need every node's parent distribution
             logits = self._logits(hidden)
             walk = walk_tree(tree, logits, s.sampling, s.generator)
             return walk, node_token_probs(tree, logits, s.sampling).cpu()
-        # only the walked nodes need logits: lazily, one row per step
-        return walk_tree(tree, lambda node: self._logits(hidden[node]), s.sampling, s.generator), None
+
+        def logits(node: int) -> torch.Tensor:  # only the walked nodes need them: one row per step
+            return root_logits if node == 0 and root_logits is not None else self._logits(hidden[node])
+
+        return walk_tree(tree, logits, s.sampling, s.generator), None
 
     def _commit(
         self, s: _Session, base: int, tree: TokenTree, walk: WalkResult, feats: torch.Tensor,
