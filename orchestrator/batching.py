@@ -1,6 +1,12 @@
 """Continuous batching: per verifier replica, whatever verify calls are queued when the
 replica is free go out as ONE ``verify_batch``; requests not in the batch draft meanwhile
 on the drafter replicas (docs/design.md §3).
+
+A batch that is not yet as large as the replica's open sessions lingers a moment for the
+rest: right after a batch returns, its requests' threads take a few milliseconds to queue
+their next call, and without the wait each step would go out as a few small batches.
+The wait is bounded (``linger_s``, and a tenth of the last batch's engine time), so a
+request that is drafting elsewhere never holds the others up for long.
 """
 
 from __future__ import annotations
@@ -20,8 +26,12 @@ class VerifyBatcher:
     """Continuous batching for one verifier replica, on its own thread."""
 
     def __init__(self, replica: Replica, max_batch: int,
-                 on_batch: Callable[[Replica, int, float], None]) -> None:
+                 on_batch: Callable[[Replica, int, float], None],
+                 max_batch_tokens: int = 1024, linger_s: float = 0.005) -> None:
         self.replica, self.max_batch, self.on_batch = replica, max_batch, on_batch
+        self.max_batch_tokens, self.linger_s = max_batch_tokens, linger_s
+        self._last_busy_s = 0.0
+        self._carry: tuple | None = None  # the call that did not fit the last batch: the next one's first
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
         self._thread.start()
@@ -37,17 +47,29 @@ class VerifyBatcher:
 
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            batch = [self._carry if self._carry is not None else self._queue.get()]
+            self._carry = None
+            tokens = _tokens(batch[-1])
+            deadline = time.monotonic() + min(self.linger_s, 0.1 * self._last_busy_s)
             while batch[-1] is not None and len(batch) < self.max_batch:
+                wanted = min(self.max_batch, len(self.replica.sessions))
+                wait = deadline - time.monotonic() if len(batch) < wanted else 0.0
                 try:
-                    batch.append(self._queue.get_nowait())
+                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
                 except queue.Empty:
                     break
+                if item is not None and tokens + _tokens(item) > self.max_batch_tokens:
+                    self._carry = item
+                    break
+                batch.append(item)
+                tokens += _tokens(item)
             stopping = batch[-1] is None
             batch = [b for b in batch if b is not None]
             if batch:
                 self._send(batch)
             if stopping:
+                if self._carry is not None:
+                    self._send([self._carry])
                 return
 
     def _send(self, batch: list[tuple[VerifyCall, Future, float]]) -> None:
@@ -62,11 +84,16 @@ class VerifyBatcher:
             for _, fut, _ in batch:
                 fut.set_exception(e)
             return
+        self._last_busy_s = out.busy_s
         self.on_batch(self.replica, len(batch), out.busy_s)
         for (_, fut, queued), res in zip(batch, out.value):
             if isinstance(res, EngineError):
                 self.replica.metrics.error("verifier", res.code)
             fut.set_result((res, out.busy_s, start - queued))
+
+
+def _tokens(item: tuple[VerifyCall, Future, float] | None) -> int:
+    return 0 if item is None else len(item[0].tree.tokens)
 
 
 def _copy(e: EngineError) -> EngineError:

@@ -38,12 +38,13 @@ _END = object()  # the stream's end marker, after the last chunk or the error
 @dataclass(frozen=True)
 class OrchestratorConfig:
     max_requests: int = 256  # concurrent requests; one more is RESOURCE_EXHAUSTED
-    max_batch: int = 16  # trees per verify_batch
+    max_batch: int = 64  # trees per verify_batch (an AR step is a one-node tree)
+    max_batch_tokens: int = 1024  # tree nodes per verify_batch: one forward's new tokens
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
-        if self.max_requests < 1 or self.max_batch < 1:
-            raise ValueError("max_requests and max_batch must be >= 1")
+        if self.max_requests < 1 or self.max_batch < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_requests, max_batch and max_batch_tokens must be >= 1")
 
 
 class RequestStream:
@@ -118,7 +119,8 @@ class Orchestrator:
         self.config, self.detokenize = config, detokenize
         self.metrics = metrics or Metrics()
         self.drafters, self.verifiers = ReplicaPool(drafters), ReplicaPool(verifiers)
-        self.batchers = {r: VerifyBatcher(r, config.max_batch, self._on_batch) for r in verifiers}
+        self.batchers = {r: VerifyBatcher(r, config.max_batch, self._on_batch, config.max_batch_tokens)
+                         for r in verifiers}
         self.requests: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
 

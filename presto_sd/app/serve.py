@@ -72,7 +72,10 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
                    help="a Ray started here exports Prometheus metrics on this port")
     r.add_argument("--ray-dashboard", action="store_true", help="start the Ray dashboard with it")
     r.add_argument("--max-requests", type=int, default=256, help="concurrent requests (default: %(default)s)")
-    r.add_argument("--max-batch", type=int, default=16, help="trees per verify batch (default: %(default)s)")
+    r.add_argument("--max-batch", type=int, default=64,
+                   help="trees per verify batch; an AR step is a one-node tree (default: %(default)s)")
+    r.add_argument("--max-batch-tokens", type=int, default=1024,
+                   help="tree nodes per verify batch: new tokens per target forward (default: %(default)s)")
     add_drain_args(r)
     add_generation_args(p)  # the defaults of requests that leave a field unset
 
