@@ -1,24 +1,28 @@
-"""Aggregate throughput of the orchestrator with 1, 4, 16 concurrent requests.
+"""Serving under load: concurrent streams through `presto-sd up`, against transformers' batched generate.
 
-    .venv/bin/python scripts/bench_concurrency.py --modes embedded,distributed \\
-        --concurrency 1,4,16 --n 16 --max-new-tokens 64 [--method presto-beam --budget 16] \\
-        [--threads 1] [--plain] [--out runs/concurrency.json]
+    .venv/bin/python scripts/bench_concurrency.py --levels 1,4,16,64 --methods ar,taps \\
+        [--modes up,embedded] [--max-new-tokens 64] [--budget 16] [--threads 2] \\
+        [--peer-dtypes float32] [--out runs/serving]
 
-The same N GSM8K prompts (chat template, greedy) run through the orchestrator with at most
-C requests in flight, for each C: C = 1 is "one after another". Modes: ``embedded`` —
-in-process engines inside Ray actors (one drafter, one verifier); ``distributed`` — the
-engines as ``presto-sd serve`` processes on loopback, driven through actors holding the
-gRPC clients; ``--plain`` adds the embedded loop with no Ray at all, one request after
-another, as a reference. Reports aggregate tokens/s (all new tokens / wall time), the
-speedup over C = 1, mean tau, mean trees per verify call, and each engine's idle share
-(1 - its busy seconds / wall; busy = time inside its calls as the actor measures them, so
-in distributed mode it includes the gRPC hop). Outputs are checked equal across C.
+For each level C, C GSM8K prompts (chat template, greedy) are sent at once, every method
+in turn, through each mode:
+- ``up``: a real `presto-sd up` (verifier and drafter servers + the orchestrator on Ray,
+  as an operator runs it), driven through the gRPC client (``orchestrator.client``);
+- ``embedded``: the orchestrator in this process over in-process engines in Ray actors.
+The peer is transformers' own ``generate`` on the same target, the same C prompts
+left-padded into one batch, greedy, in each ``--peer-dtypes``. Per row: useful tokens/s
+(new tokens up to each stream's end / wall), time to first token p50/p99, per-token
+latency p50/p99 (a chunk's gap spread over its tokens), tau, and whether every output
+equals the AR output (the first method's output in ``ar``, or the peer's in fp32). Writes
+``serving.json`` and ``serving.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,160 +33,227 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args() -> argparse.Namespace:
-    from presto_sd.app.flags import add_generation_args
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="embedded,distributed", help="embedded,distributed")
-    p.add_argument("--concurrency", default="1,4,16", help="requests in flight, comma-separated")
-    p.add_argument("--n", type=int, default=16, help="GSM8K prompts (the first N)")
-    p.add_argument("--plain", action="store_true", help="also the embedded loop without Ray, sequential")
-    p.add_argument("--plain-threads", type=int, default=1, help="torch threads of --plain (default: 1)")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
-    add_generation_args(p)
-    args = p.parse_args()
-    args.threads = args.threads or 1
-    return args
+    p.add_argument("--levels", default="1,4,16,64", help="concurrent streams, comma-separated")
+    p.add_argument("--methods", default="ar,taps", help="comma-separated methods")
+    p.add_argument("--modes", default="up", help="up,embedded")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--budget", type=int, default=16, help="tree budget (taps: the most it may choose)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per engine (and the peer)")
+    p.add_argument("--peer-dtypes", default="float32", help="comma-separated; '' skips the peer")
+    p.add_argument("--out", default="runs/serving")
+    return p.parse_args()
 
 
-def prompts(args: argparse.Namespace, tok) -> list[tuple[int, ...]]:
-    from presto_sd.app.datasets import load_prompts
-    from presto_sd.models.loading import encode_messages
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
-    return [tuple(encode_messages(tok, p.messages)) for p in load_prompts("gsm8k", n=args.n)]
 
-
-def run_level(orch, jobs, level: int, bar) -> dict:
-    """Every job with at most ``level`` in flight: wall, tokens, per-job outputs, engine busy."""
-    before_stats, before = orch.engine_stats(), dict(orch.metrics.tallies)
-
-    def one(job) -> tuple[list[int], list]:
-        tokens, rounds = [], []
-        for chunk in orch.stream(job):
-            tokens.extend(chunk.tokens)
+def drive(generate, prompts: list, level: int) -> dict:
+    """All ``prompts`` at once; per stream its tokens, first-token time and per-token gaps."""
+    def one(prompt):
+        t0 = time.perf_counter()
+        last, tokens, gaps, ttft, rounds = t0, [], [], None, []
+        for chunk in generate(prompt):
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            elif chunk.tokens:
+                gaps += [(now - last) / len(chunk.tokens)] * len(chunk.tokens)
             if chunk.stats is not None:
-                rounds.append(chunk.stats)
-        bar.update(1)
-        return tokens, rounds
+                rounds.append(chunk.stats.accepted + 1)
+            tokens += chunk.tokens
+            last = now
+        return tokens, ttft, gaps, rounds
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=level) as pool:
-        results = list(pool.map(one, jobs))
+        results = list(pool.map(one, prompts))
     wall = time.perf_counter() - t0
-    after = orch.engine_stats()
-    tallies = orch.metrics.tallies
-    rounds = [r for _, rs in results for r in rs]
-    batches = tallies["verify_batches"] - before.get("verify_batches", 0)
-    return {
-        "concurrency": level, "wall_s": round(wall, 2),
-        "tokens": sum(len(t) for t, _ in results),
-        "tokens_per_s": round(sum(len(t) for t, _ in results) / wall, 2),
-        "tau": round(sum(r.accepted + 1 for r in rounds) / max(1, len(rounds)), 3),
-        "trees_per_verify_call": round(
-            (tallies["verify_batched_calls"] - before.get("verify_batched_calls", 0)) / max(1, batches), 2),
-        "idle_share": {name: round(1 - (after[name].busy_s - before_stats[name].busy_s) / wall, 3)
-                       for name in after},
-        "outputs": [t for t, _ in results],
-    }
+    tokens = sum(len(t) for t, *_ in results)
+    ttfts = [r[1] for r in results]
+    gaps = [g for r in results for g in r[2]]
+    rounds = [x for r in results for x in r[3]]
+    return {"streams": level, "wall_s": round(wall, 2), "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2),
+            "ttft_p50_s": round(percentile(ttfts, 50), 3), "ttft_p99_s": round(percentile(ttfts, 99), 3),
+            "token_p50_ms": round(1e3 * percentile(gaps, 50), 1),
+            "token_p99_ms": round(1e3 * percentile(gaps, 99), 1),
+            "tau": round(sum(rounds) / len(rounds), 3) if rounds else None,
+            "outputs": [t for t, *_ in results]}
 
 
-def start_mode(mode: str, args: argparse.Namespace, children: list):
-    """The orchestrator of ``mode``; server processes it starts go into ``children``."""
-    from orchestrator.actors import local_spec, remote_spec
-    from orchestrator.orchestrator import Orchestrator
-    from presto_sd.app.up import _Child
+class UpStack:
+    """`presto-sd up` as a subprocess, and a client of its orchestrator."""
 
-    if mode == "embedded":
-        return Orchestrator.start([local_spec("drafter", 0, args.target, args.drafter, args.threads)],
-                                  [local_spec("verifier", 0, args.target, args.drafter, args.threads)])
-    server_args = argparse.Namespace(drain_s=0.0, grace_s=1.0, target=args.target, drafter=args.drafter,
-                                     threads=args.threads)
-    addrs = {}
-    for kind in ("verifier", "drafter"):
-        child = _Child(kind, server_args, echo=False)
-        children.append(child)
-        addrs[kind] = f"127.0.0.1:{child.wait_for('listening', 600)['port']}"
-        child.wait_for("serving", 600)
-    return Orchestrator.start([remote_spec("drafter", addrs["drafter"])],
-                              [remote_spec("verifier", addrs["verifier"])])
+    def __init__(self, args: argparse.Namespace) -> None:
+        from orchestrator.client import OrchestratorClient
+
+        cmd = [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--threads", str(args.threads),
+               "--max-new-tokens", str(args.max_new_tokens), "--budget", str(args.budget)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        for line in self.proc.stdout:
+            if line.startswith('{"event": "up"'):
+                self.client = OrchestratorClient(json.loads(line)["orchestrator"])
+                return
+        raise SystemExit(f"presto-sd up exited ({self.proc.wait()}) before it was up")
+
+    def generate(self, method: str, args: argparse.Namespace):
+        return lambda prompt: self.client.generate(list(prompt), method=method, chat=False,
+                                                   max_new_tokens=args.max_new_tokens)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(120)
 
 
-def plain_rows(args: argparse.Namespace, encoded) -> dict:
+class EmbeddedStack:
+    """The orchestrator in this process over in-process engines in Ray actors."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import ray
+
+        from orchestrator.actors import local_spec
+        from orchestrator.orchestrator import Orchestrator
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        self.orch = Orchestrator.start([local_spec("drafter", 0, None, None, args.threads)],
+                                       [local_spec("verifier", 0, None, None, args.threads)])
+        self.eos = self.orch.verifiers.replicas[0].call("info").value.eos_token_ids
+        self.dinfo = self.orch.drafters.replicas[0].call("info").value
+
+    def generate(self, method: str, args: argparse.Namespace):
+        from orchestrator.requests import GenerateJob
+        from presto_sd.app.flags import add_generation_args
+        from presto_sd.app.stack import generation_params
+
+        parser = argparse.ArgumentParser()
+        add_generation_args(parser)  # the request defaults exactly as `serve orchestrator` makes them
+        flags = parser.parse_args(["--method", method, "--budget", str(args.budget),
+                                   "--max-new-tokens", str(args.max_new_tokens)])
+        params = generation_params(flags, self.eos, self.dinfo)
+        return lambda prompt: self.orch.stream(GenerateJob(tuple(prompt), params))
+
+    def close(self) -> None:
+        import ray
+
+        self.orch.shutdown()
+        ray.shutdown()
+
+
+def peer_rows(prompts: list, levels: list[int], dtypes: list[str], args: argparse.Namespace) -> list[dict]:
+    """transformers' batched generate: C prompts left-padded into one batch, greedy."""
     import torch
 
-    from presto_sd.app.stack import generation_params
-    from presto_sd.embedded.stack import build_embedded
-    from presto_sd.loop.generate import generate
-    from presto_sd.method.methods import get_method
+    from presto_sd.models.loading import eos_token_ids, load_target, parse_dtype
 
-    torch.set_num_threads(args.plain_threads)
-    stack = build_embedded(args.target, args.drafter)
-    params = generation_params(args, stack.verifier.eos_token_ids, stack.drafter.info())
-    drafter = stack.drafter if get_method(args.method).needs_drafter else None
-    generate(stack.verifier, drafter, list(encoded[0]), params)  # warm-up
-    t0 = time.perf_counter()
-    outs = [generate(stack.verifier, drafter, list(p), params) for p in encoded]
-    wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"mode": f"plain ({args.plain_threads} threads, no Ray)", "concurrency": 1,
-            "wall_s": round(wall, 2), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-            "outputs": [o.token_ids for o in outs]}
+    torch.set_num_threads(args.threads)
+    rows = []
+    for dtype in dtypes:
+        model, tok = load_target(None, dtype=parse_dtype(dtype))
+        eos = set(eos_token_ids(model, tok))  # the stop ids the engines use
+        model.generation_config.eos_token_id = sorted(eos)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos))
+        for level in levels:
+            batch = prompts[:level]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                model.generate(ids[:1, -8:], max_new_tokens=2, do_sample=False)  # warm-up
+                t0 = time.perf_counter()
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                     do_sample=False, pad_token_id=pad)
+                wall = time.perf_counter() - t0
+            outputs = []
+            for row in out[:, width:].tolist():
+                cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                outputs.append(row[:cut])
+            tokens = sum(len(o) for o in outputs)
+            rows.append({"mode": f"transformers generate ({dtype})", "method": "ar", "streams": level,
+                         "wall_s": round(wall, 2), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+                         "outputs": outputs})
+        del model
+    return rows
 
 
 def main() -> None:
-    import ray
     from tqdm import tqdm
 
-    from orchestrator.requests import GenerateJob
-    from presto_sd.app.stack import generation_params
-    from presto_sd.models.loading import load_tokenizer
+    from presto_sd.app.datasets import load_prompts
+    from presto_sd.models.loading import encode_messages, load_tokenizer
 
     args = parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    methods = args.methods.split(",")
+    tok = load_tokenizer(None)
+    prompts = [tuple(encode_messages(tok, p.messages)) for p in load_prompts("gsm8k", n=max(levels))]
+    rows: list[dict] = []
     modes = [m for m in args.modes.split(",") if m]
-    levels = [int(c) for c in args.concurrency.split(",")]
-    tok = load_tokenizer(args.target)
-    encoded = prompts(args, tok)
-    rows = []
-    if args.plain:
-        rows.append(plain_rows(args, encoded))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    bar = tqdm(total=len(modes) * len(levels) * len(encoded), desc="requests", unit="req")
+    bar = tqdm(total=len(modes) * len(methods) * len(levels), desc="levels", unit="level")
     for mode in modes:
-        children: list = []
-        orch = start_mode(mode, args, children)
-        try:  # the request defaults as `serve orchestrator` makes them (the verifier's EOS)
-            eos = orch.verifiers.replicas[0].call("info").value.eos_token_ids
-            params = generation_params(args, eos, orch.drafters.replicas[0].call("info").value)
-            list(orch.stream(GenerateJob(encoded[0], params)))  # warm-up
-            for level in levels:
-                jobs = [GenerateJob(p, params) for p in encoded]
-                rows.append({"mode": mode, **run_level(orch, jobs, level, bar)})
+        stack = UpStack(args) if mode == "up" else EmbeddedStack(args)
+        try:
+            for method in methods:
+                gen = stack.generate(method, args)
+                list(gen(prompts[0]))  # warm-up
+                for level in levels:
+                    rows.append({"mode": mode, "method": method, **drive(gen, prompts[:level], level)})
+                    bar.update(1)
         finally:
-            orch.shutdown()
-            for child in children:
-                child.stop(60)
+            stack.close()
     bar.close()
-    ray.shutdown()
-    reference = rows[0]["outputs"]
-    for row in rows:
-        row["equal_outputs"] = row.pop("outputs") == reference
+    peer_dtypes = [d for d in args.peer_dtypes.split(",") if d]
+    if peer_dtypes:
+        rows += peer_rows(prompts, levels, peer_dtypes, args)
     report(rows, args)
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    base = {r["mode"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
-    print(f"\nmethod {args.method}, budget {args.budget}, {args.n} GSM8K prompts x {args.max_new_tokens} "
-          f"new tokens, greedy, engine threads {args.threads}")
-    print("| mode | concurrent | wall s | tokens | tokens/s | vs 1 | tau | trees/verify call | idle share "
-          "| outputs = first row |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    ar = {r["streams"]: r["outputs"] for r in rows if r["method"] == "ar" and r["mode"] in ("up", "embedded")}
     for r in rows:
-        idle = ", ".join(f"{k.split('/')[0]} {v:.0%}" for k, v in r.get("idle_share", {}).items()) or "-"
-        print(f"| {r['mode']} | {r['concurrency']} | {r['wall_s']} | {r['tokens']} | {r['tokens_per_s']} "
-              f"| {r['tokens_per_s'] / base[r['mode']]:.2f}x | {r.get('tau', '-')} "
-              f"| {r.get('trees_per_verify_call', '-')} | {idle} | {r['equal_outputs']} |")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        ref = ar.get(r["streams"])
+        r["equal_to_ar"] = None if ref is None else r.pop("outputs") == ref
+        r.pop("outputs", None)
+    print(f"\nGSM8K prompts, {args.max_new_tokens} new tokens, greedy, budget {args.budget}, "
+          f"{args.threads} threads per engine")
+    print("| mode | method | streams | tokens/s | TTFT p50 / p99 s | per-token p50 / p99 ms | tau | = AR |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['method']} | {r['streams']} | {r['tokens_per_s']} "
+              f"| {r.get('ttft_p50_s', '-')} / {r.get('ttft_p99_s', '-')} "
+              f"| {r.get('token_p50_ms', '-')} / {r.get('token_p99_ms', '-')} | {r.get('tau') or '-'} "
+              f"| {r['equal_to_ar']} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    plot(rows, out / "serving.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key in dict.fromkeys((r["mode"], r["method"]) for r in rows):
+        pts = sorted((r["streams"], r["tokens_per_s"]) for r in rows if (r["mode"], r["method"]) == key)
+        label = key[0] if key[0].startswith("transformers") else f"{key[0]} {key[1]}"
+        ax.plot(*zip(*pts), marker="o", label=label, linestyle="--" if key[0].startswith("trans") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tokens/s (all streams)")
+    ax.set_title("Serving under load (greedy, SmolLM2-135M, CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
