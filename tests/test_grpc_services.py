@@ -298,8 +298,10 @@ def test_delta_features_travel_exactly(stack):
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     feats = torch.randn(3, width)
     assert remote_d.prefill("exact", FeatureDelta(0, (1, 2, 3), feats)) == 3
-    k_remote = [k.clone() for k, _ in drafter.sessions["exact"].ctx_kv]
+    kv = drafter.sessions["exact"].kv
+    k_remote = [kv.committed(layer)[0].clone() for layer in range(len(kv.keys))]
     drafter.prefill("exact-local", FeatureDelta(0, (1, 2, 3), feats))
-    assert all(torch.equal(a, k) for a, (k, _) in zip(k_remote, drafter.sessions["exact-local"].ctx_kv))
+    local = drafter.sessions["exact-local"].kv
+    assert all(torch.equal(a, local.committed(layer)[0]) for layer, a in enumerate(k_remote))
     remote_d.close("exact")
     drafter.close("exact-local")

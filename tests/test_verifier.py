@@ -7,7 +7,6 @@ import torch
 from transformers import DynamicCache
 
 from presto_sd.embedded.hf_verifier import HFVerifier
-from presto_sd.embedded.session_kv import Segment
 from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
@@ -16,6 +15,7 @@ from presto_sd.engine.messages import (
 )
 from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.tree import TokenTree
+from presto_sd.models.session_kv import Segment
 from tests.conftest import hf_greedy
 
 PROMPT = [0, 3, 5, 7, 2, 9, 4]

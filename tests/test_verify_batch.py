@@ -8,7 +8,6 @@ from transformers import DynamicCache
 
 from presto_sd.embedded import hf_verifier as hf
 from presto_sd.embedded.hf_verifier import HFVerifier
-from presto_sd.embedded.session_kv import Segment, SessionKV, packed_forward
 from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
@@ -20,6 +19,7 @@ from presto_sd.engine.verifier import VerifierLimits, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree, TreeLimits
+from presto_sd.models.session_kv import Segment, SessionKV, packed_forward
 from tests.conftest import hf_greedy, make_engines
 from tests.rpc_util import LocalServer
 from verifier_service.remote import RemoteVerifier

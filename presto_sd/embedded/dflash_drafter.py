@@ -32,11 +32,12 @@ from presto_sd.method.scores import (
 )
 from presto_sd.models.assets import DrafterDefaults
 from presto_sd.models.dflash import DFlashDraftModel
+from presto_sd.models.session_kv import SessionKV
 
 
 @dataclass
 class _DraftSession:
-    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, kv_heads, n, hd]
+    kv: SessionKV  # every draft layer's context K/V, one entry per cached token
     tokens: list[int]  # tokens whose features are cached (positions 0..n-1)
     ngram: NGramModel
     last_used: float = field(default_factory=time.monotonic)
@@ -135,6 +136,7 @@ class DFlashDrafter(Drafter):
         positions = torch.arange(delta.start, delta.end)[None]
         return self.model.context_kv(feats, positions)
 
+    @torch.inference_mode()  # the session's buffers are inference tensors: every write in this mode
     def prefill(self, session_id: str, delta: FeatureDelta) -> int:
         if delta.start != 0:
             raise InvalidArgumentError(f"prefill.delta.start = {delta.start}: must be 0")
@@ -144,21 +146,20 @@ class DFlashDrafter(Drafter):
         self.sessions.check_room(session_id)
         ngram = NGramModel(order=3, vocab_size=self.vocab_size)
         ngram.update(list(delta.tokens))
-        session = _DraftSession(self._context_kv(delta), list(delta.tokens), ngram)
+        kv = self.model.session_kv(self.lm_head.device)
+        kv.append(self._context_kv(delta))
+        session = _DraftSession(kv, list(delta.tokens), ngram)
         self.sessions.open(session_id, session)
         return session.base
 
+    @torch.inference_mode()
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
         s = self.sessions.touch(session_id)
         check_base(session_id, s.base, delta.start)
         if not delta.tokens:
             raise InvalidArgumentError("commit.delta.tokens: empty (a round commits at least its anchor)")
         self._check_delta(delta)
-        new = self._context_kv(delta)
-        s.ctx_kv = [
-            (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
-            for (k, v), (nk, nv) in zip(s.ctx_kv, new)
-        ]
+        s.kv.append(self._context_kv(delta))
         s.ngram.update(list(delta.tokens), history=s.tokens)
         s.tokens.extend(delta.tokens)
         return s.base
@@ -173,7 +174,7 @@ class DFlashDrafter(Drafter):
         block[0, 0] = anchor
         embeds = self.embed_tokens[block].to(self.model.fc.weight.dtype)
         positions = torch.arange(n, n + c.block_size)[None]
-        hidden = self.model(embeds, positions, session.ctx_kv)[0, 1 : depth + 1]
+        hidden = self.model(embeds, positions, [session.kv])[0, 1 : depth + 1]
         logp = torch.log_softmax((hidden.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1)
         top = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)

@@ -18,7 +18,6 @@ import torch
 from transformers import PreTrainedModel
 
 from presto_sd.embedded.cost_calibration import calibrate_verify_cost
-from presto_sd.embedded.session_kv import Segment, SessionKV, packed_forward
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
@@ -44,6 +43,7 @@ from presto_sd.method.acceptance import (
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
+from presto_sd.models.session_kv import Segment, SessionKV, packed_forward
 
 
 @dataclass

@@ -14,6 +14,7 @@ published checkpoint loads as is.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +22,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from presto_sd.models.session_kv import SessionKV
+
+# a layer's context: K/V tensors shared by every row (training), or one session per row
+Context = tuple[torch.Tensor, torch.Tensor] | Sequence[SessionKV]
 
 # --------------------------------------------------------------------------- config
 
@@ -168,13 +174,20 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, ctx: Context, layer: int, mask=None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, -1, self.c.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if isinstance(ctx, tuple):  # one context tensor pair for every row (training)
+            k, v = torch.cat([ctx[0], k], dim=2), torch.cat([ctx[1], v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:  # row r's block after session r's context, read in place (the block is not committed)
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[r : r + 1], *kv.write(layer, k[r : r + 1], v[r : r + 1]),
+                                               enable_gqa=True)
+                for r, kv in enumerate(ctx)
+            ])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -197,8 +210,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx: Context, layer: int, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -259,19 +272,30 @@ class DFlashDraftModel(nn.Module):
         self,
         block_embeds: torch.Tensor,
         positions: torch.Tensor,
-        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | Sequence[SessionKV],
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Drafter states [B, Q, H] of block embeddings [B, Q, H] at positions [B, Q].
 
-        ``mask`` (bool [B, 1, Q, C + Q], True = attend) is only needed in training, where
-        many blocks share one context; at inference a block sees everything.
+        ``ctx_kv``: per layer the context K/V [B, kv_heads, C, hd] (``context_kv``), or one
+        session's buffers per row (inference: each block after its own session's context,
+        in place). ``mask`` (bool [B, 1, Q, C + Q], True = attend) is only needed in
+        training, where many blocks share one context; at inference a block sees everything.
         """
         cos, sin = self.rope(positions)
         x = block_embeds
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+        per_session = bool(ctx_kv) and isinstance(ctx_kv[0], SessionKV)
+        if per_session:
+            for kv in ctx_kv:
+                kv.reserve(kv.length + x.shape[1])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_kv if per_session else ctx_kv[i], i, mask)
         return self.norm(x)
+
+    def session_kv(self, device: torch.device | str = "cpu") -> SessionKV:
+        """Empty context buffers for one session (``DFlashDrafter``)."""
+        c = self.config
+        return SessionKV(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.fc.weight.dtype, device)
 
     # -- checkpoints (DFlash format) ----------------------------------------------------
     def save(

@@ -98,6 +98,14 @@ class SessionKV:
                     t[:, :, self.length : self.length + len(new)] = t.index_select(2, index)
         self.length += len(new)
 
+    def append(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Commit new entries: per layer keys and values [1, kv_heads, T, head_dim]."""
+        n = kv[0][0].shape[2]
+        self.reserve(self.length + n)
+        for layer, (keys, values) in enumerate(kv):
+            self.write(layer, keys, values)
+        self.length += n
+
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
 
