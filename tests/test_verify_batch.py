@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from presto_sd.embedded import hf_verifier as hf
 from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.engine.drafter import DraftCall
 from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
@@ -294,3 +295,26 @@ def test_verify_batch_over_grpc_equals_in_process(tiny_target):
     finally:
         remote.shutdown()
         server.stop()
+
+
+# -- the drafter's side -------------------------------------------------------------------
+def test_draft_batch_equals_one_by_one(tiny_target):
+    """Blocks of sessions at different contexts in one drafter forward: the same trees."""
+    verifier, drafter = make_engines(tiny_target)
+    methods = ["linear", "marginal", "presto-beam", "presto-best-first"]
+    calls = []
+    for i, prompt in enumerate(PROMPTS):
+        pre = verifier.prefill(f"d{i}", prompt)
+        drafter.prefill(f"d{i}", pre.delta)
+        calls.append(DraftCall(f"d{i}", pre.anchor, pre.base, TreeParams(method=methods[i], budget=3 + 4 * i,
+                                                                        depth=2 + i, top_k=4 + i)))
+    bad = [DraftCall("d0", calls[0].anchor, calls[0].base, calls[0].params),  # the same session again
+           DraftCall("d1", calls[1].anchor, calls[1].base + 1, calls[1].params),  # stale base
+           DraftCall("nope", 1, 3, calls[0].params)]
+    got = drafter.draft_batch(calls + bad)
+    for c, res in zip(calls, got):
+        want = drafter.draft(c.session_id, c.anchor, c.base, c.params)
+        assert res.tree == want.tree and res.path_scores == pytest.approx(want.path_scores, abs=1e-5)
+        torch.testing.assert_close(res.marginals.log_probs, want.marginals.log_probs, atol=ATOL, rtol=0)
+    assert isinstance(got[4], InvalidArgumentError) and "already in this batch" in str(got[4])
+    assert [type(e) for e in drafter.draft_batch(bad[1:])] == [StaleBaseError, SessionNotFoundError]

@@ -7,12 +7,14 @@ feature delta, plus an online n-gram of the request's tokens for the n-gram rho.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
 from presto_sd.engine.messages import (
+    EngineError,
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
@@ -165,27 +167,75 @@ class DFlashDrafter(Drafter):
         return s.base
 
     # -- drafting -----------------------------------------------------------------------
-    @torch.inference_mode()
     def marginals(self, session: _DraftSession, anchor: int, depth: int, top_k: int) -> DraftMarginals:
         """One drafter forward over ``[anchor, MASK x (L-1)]``; top-K of the first ``depth``."""
+        return self._marginals([(session, anchor, depth, top_k)])[0]
+
+    @torch.inference_mode()
+    def _marginals(self, items: list[tuple[_DraftSession, int, int, int]]) -> list[DraftMarginals]:
+        """Every (session, anchor, depth, top_k)'s block in ONE drafter forward."""
         c = self.config
-        n = session.base
-        block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long)
-        block[0, 0] = anchor
+        block = torch.full((len(items), c.block_size), c.mask_token_id, dtype=torch.long)
+        block[:, 0] = torch.tensor([anchor for _, anchor, _, _ in items])
         embeds = self.embed_tokens[block].to(self.model.fc.weight.dtype)
-        positions = torch.arange(n, n + c.block_size)[None]
-        hidden = self.model(embeds, positions, [session.kv])[0, 1 : depth + 1]
-        logp = torch.log_softmax((hidden.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1)
-        top = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        ids = self.d2t[top.indices] if self.d2t is not None else top.indices
-        return DraftMarginals(ids, top.values, entropy, hidden.float())
+        positions = torch.stack([torch.arange(s.base, s.base + c.block_size) for s, *_ in items])
+        depth = max(d for _, _, d, _ in items)
+        hidden = self.model(embeds, positions, [s.kv for s, *_ in items])[:, 1 : depth + 1]
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.draft_head.dtype)  # one matmul for all
+        logp = torch.log_softmax((rows @ self.draft_head.T).float(), dim=-1).view(len(items), depth, -1)
+        out = []
+        for r, (_, _, d, k) in enumerate(items):
+            top = torch.topk(logp[r, :d], min(k, logp.shape[-1]), dim=-1)
+            entropy = -(logp[r, :d].exp() * logp[r, :d]).sum(-1)
+            ids = self.d2t[top.indices] if self.d2t is not None else top.indices
+            out.append(DraftMarginals(ids, top.values, entropy, hidden[r, :d].float()))
+        return out
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        s = self.sessions.touch(session_id)
-        check_base(session_id, s.base, base)
-        if not 0 <= anchor < self.vocab_size:
-            raise InvalidArgumentError(f"draft.anchor = {anchor}: out of range [0, {self.vocab_size})")
+        result = self.draft_batch([DraftCall(session_id, anchor, base, params)])[0]
+        if isinstance(result, EngineError):
+            raise result
+        return result
+
+    def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
+        """Every valid call's block in ONE drafter forward, then each call's tree.
+
+        Each call is checked as ``draft`` checks it (a session named twice: INVALID_ARGUMENT
+        for the later call); a refused call gets its error in its slot. Drafting changes no
+        session, so nothing needs undoing.
+        """
+        out: list[DraftResult | EngineError | None] = [None] * len(calls)
+        todo: list[tuple[int, _DraftSession, RhoProvider | None, bool, int]] = []
+        seen: set[str] = set()
+        for j, c in enumerate(calls):
+            try:
+                if c.session_id in seen:
+                    raise InvalidArgumentError(
+                        f"draft_batch.calls[{j}]: session {c.session_id!r} is already in this batch")
+                seen.add(c.session_id)
+                todo.append((j, *self._check_draft(c)))
+            except EngineError as e:
+                out[j] = e
+        if not todo:
+            return out
+        t0 = time.perf_counter()
+        marginals = self._marginals([(s, calls[j].anchor, depth, calls[j].params.top_k)
+                                     for j, s, _, _, depth in todo])
+        forward_s = time.perf_counter() - t0
+        for (j, s, rho, sizes_itself, _), m in zip(todo, marginals):
+            try:
+                out[j] = self._build(s, calls[j], m, rho, sizes_itself, forward_s)
+            except EngineError as e:
+                out[j] = e
+        return out
+
+    def _check_draft(self, c: DraftCall) -> tuple[_DraftSession, RhoProvider | None, bool, int]:
+        """The session, rho, whether the method sizes itself, the depth; or the named error."""
+        s = self.sessions.touch(c.session_id)
+        check_base(c.session_id, s.base, c.base)
+        if not 0 <= c.anchor < self.vocab_size:
+            raise InvalidArgumentError(f"draft.anchor = {c.anchor}: out of range [0, {self.vocab_size})")
+        params = c.params
         if params.budget > self.max_budget:
             raise LimitExceededError(
                 f"tree.budget = {params.budget}: over the drafter's limit {self.max_budget}"
@@ -201,17 +251,18 @@ class DFlashDrafter(Drafter):
                 raise InvalidArgumentError(
                     f"tree.rho = {params.rho!r}: unknown (have {', '.join(self.rho_providers)})"
                 )
-        depth = min(params.depth, self.config.block_size - 1)
+        return s, rho, method.sizes_itself, min(params.depth, self.config.block_size - 1)
+
+    def _build(self, s: _DraftSession, c: DraftCall, marginals: DraftMarginals,
+               rho: RhoProvider | None, sizes_itself: bool, forward_s: float) -> DraftResult:
+        params = c.params
+        ctx = ScoringContext(marginals, s.tokens + [c.anchor], s.ngram)
+        if sizes_itself and params.draft_s <= 0:  # no estimate given: this round's forward
+            params = replace(params, draft_s=forward_s)
         t0 = time.perf_counter()
-        marginals = self.marginals(s, anchor, depth, params.top_k)
-        t1 = time.perf_counter()
-        ctx = ScoringContext(marginals, s.tokens + [anchor], s.ngram)
-        if method.sizes_itself and params.draft_s <= 0:  # no estimate given: this round's
-            params = replace(params, draft_s=t1 - t0)
         try:
-            built = build_tree(anchor, ctx, params, rho)
+            built = build_tree(c.anchor, ctx, params, rho)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
-        t2 = time.perf_counter()
-        return DraftResult(built.tree, marginals, built.path_scores, t1 - t0, t2 - t1,
+        return DraftResult(built.tree, marginals, built.path_scores, forward_s, time.perf_counter() - t0,
                            built.node_log_acceptance)

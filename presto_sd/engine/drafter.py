@@ -7,9 +7,10 @@ One interface, two implementations: ``DFlashDrafter`` (in-process) and the gRPC 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from presto_sd.engine.messages import FeatureDelta
+from presto_sd.engine.messages import EngineError, FeatureDelta
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
@@ -39,6 +40,16 @@ class DraftResult:
     node_log_acceptance: tuple[float, ...] = ()  # taps: raw log a(u) per node (BuiltTree)
 
 
+@dataclass(frozen=True)
+class DraftCall:
+    """One request's share of a batched draft (``Drafter.draft_batch``)."""
+
+    session_id: str
+    anchor: int
+    base: int
+    params: TreeParams
+
+
 class Drafter(ABC):
     @abstractmethod
     def info(self) -> DrafterInfo: ...
@@ -53,6 +64,21 @@ class Drafter(ABC):
     @abstractmethod
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
         """Marginals for the block after ``anchor`` (at position ``base``) and the tree."""
+
+    def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
+        """Draft for several sessions; each answer is its call's result or its error.
+
+        One call's refusal never fails the others. This default drafts one call after
+        another; engines that can run every block in ONE forward override it, with the
+        same trees.
+        """
+        out: list[DraftResult | EngineError] = []
+        for c in calls:
+            try:
+                out.append(self.draft(c.session_id, c.anchor, c.base, c.params))
+            except EngineError as e:
+                out.append(e)
+        return out
 
     @abstractmethod
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
