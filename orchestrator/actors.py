@@ -54,7 +54,7 @@ class EngineActor:
         t0 = time.perf_counter()
         try:
             value, error = getattr(self.engine, method)(*args), None
-            if method == "verify_batch":  # per-call refusals travel inside the list
+            if method in ("verify_batch", "draft_batch"):  # per-call refusals travel inside the list
                 value = [_portable(v) if isinstance(v, EngineError) else v for v in value]
         except EngineError as e:
             value, error = None, _portable(e)

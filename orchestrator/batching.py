@@ -1,6 +1,8 @@
-"""Continuous batching: per verifier replica, whatever verify calls are queued when the
-replica is free go out as ONE ``verify_batch``; requests not in the batch draft meanwhile
-on the drafter replicas (docs/design.md §3).
+"""Continuous batching: per engine replica, whatever calls are queued when the replica is
+free go out as ONE batched call: ``verify_batch`` on a verifier (AR steps and trees of
+many requests in one target forward), ``draft_batch`` on a drafter (their blocks in one
+drafter forward). While a verifier runs one batch, the requests of the last one draft
+theirs: the two engines overlap (docs/design.md §3).
 
 A batch that is not yet as large as the replica's open sessions lingers a moment for the
 rest: right after a batch returns, its requests' threads take a few milliseconds to queue
@@ -18,17 +20,21 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from orchestrator.replicas import Replica
+from presto_sd.engine.drafter import DraftCall
 from presto_sd.engine.messages import EngineError
 from presto_sd.engine.verifier import VerifyCall
 
+BATCH_METHODS = {"verifier": "verify_batch", "drafter": "draft_batch"}
 
-class VerifyBatcher:
-    """Continuous batching for one verifier replica, on its own thread."""
+
+class Batcher:
+    """Continuous batching for one replica, on its own thread."""
 
     def __init__(self, replica: Replica, max_batch: int,
-                 on_batch: Callable[[Replica, int, float], None],
+                 on_batch: Callable[[Replica, int, int, float], None],
                  max_batch_tokens: int = 1024, linger_s: float = 0.005) -> None:
         self.replica, self.max_batch, self.on_batch = replica, max_batch, on_batch
+        self.method = BATCH_METHODS[replica.kind]
         self.max_batch_tokens, self.linger_s = max_batch_tokens, linger_s
         self._last_busy_s = 0.0
         self._carry: tuple | None = None  # the call that did not fit the last batch: the next one's first
@@ -36,8 +42,8 @@ class VerifyBatcher:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
         self._thread.start()
 
-    def submit(self, call: VerifyCall) -> Future:
-        """A future of ``(VerifyResult | EngineError, batch engine seconds, queued seconds)``."""
+    def submit(self, call: VerifyCall | DraftCall) -> Future:
+        """A future of ``(result | EngineError, batch engine seconds, queued seconds)``."""
         fut: Future = Future()
         self._queue.put((call, fut, time.monotonic()))
         return fut
@@ -72,10 +78,10 @@ class VerifyBatcher:
                     self._send([self._carry])
                 return
 
-    def _send(self, batch: list[tuple[VerifyCall, Future, float]]) -> None:
+    def _send(self, batch: list[tuple[VerifyCall | DraftCall, Future, float]]) -> None:
         start = time.monotonic()
         try:
-            out = self.replica.call("verify_batch", [c for c, _, _ in batch])
+            out = self.replica.call(self.method, [c for c, _, _ in batch])
         except EngineError as e:  # the whole call failed (replica away): every request sees it
             for _, fut, _ in batch:
                 fut.set_exception(_copy(e))
@@ -85,15 +91,18 @@ class VerifyBatcher:
                 fut.set_exception(e)
             return
         self._last_busy_s = out.busy_s
-        self.on_batch(self.replica, len(batch), out.busy_s)
+        self.on_batch(self.replica, len(batch), sum(_tokens(b) for b in batch), out.busy_s)
         for (_, fut, queued), res in zip(batch, out.value):
             if isinstance(res, EngineError):
-                self.replica.metrics.error("verifier", res.code)
+                self.replica.metrics.error(self.replica.kind, res.code)
             fut.set_result((res, out.busy_s, start - queued))
 
 
-def _tokens(item: tuple[VerifyCall, Future, float] | None) -> int:
-    return 0 if item is None else len(item[0].tree.tokens)
+def _tokens(item: tuple[VerifyCall | DraftCall, Future, float] | None) -> int:
+    """New tokens a call adds to the engine's forward: a tree's nodes; a draft, one block."""
+    if item is None:
+        return 0
+    return len(item[0].tree.tokens) if isinstance(item[0], VerifyCall) else 1
 
 
 def _copy(e: EngineError) -> EngineError:

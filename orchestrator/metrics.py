@@ -20,7 +20,8 @@ from ray.util import metrics as rm
 ACCEPT_BOUNDS = [float(b) for b in range(1, 17)]
 TREE_BOUNDS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]
 SECONDS_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
-BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+TOKEN_BOUNDS = [1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0]
 PHASES = ("draft", "verify", "queue", "transfer")
 # fallback kinds: a round without a tree while the drafter was away; a session moved to
 # another replica; a verifier session rebuilt from the committed tokens
@@ -38,6 +39,10 @@ _SPECS: dict[str, tuple] = {
               "engine, waiting for the verifier, transfer", ("phase",), SECONDS_BOUNDS),
     "round": ("histogram", "presto_round_seconds", "Round latency", ("method",), SECONDS_BOUNDS),
     "batch": ("histogram", "presto_verify_batch_size", "Trees per verifier call", ("replica",), BATCH_BOUNDS),
+    "batch_tokens": ("histogram", "presto_verify_batch_tokens", "New tokens (tree nodes, AR steps) per "
+                     "verifier forward", ("replica",), TOKEN_BOUNDS),
+    "draft_batch": ("histogram", "presto_draft_batch_size", "Blocks per drafter call", ("replica",),
+                    BATCH_BOUNDS),
     "busy": ("counter", "presto_engine_busy_seconds", "Seconds an engine replica spent in calls "
              "(1 - rate = its idle share)", ("service", "replica"), None),
     "active": ("gauge", "presto_active_requests", "Requests being generated", (), None),
@@ -119,10 +124,16 @@ class Metrics:
         self._tally(f"finish:{finish}")
         self._emit("requests", 1, method=method, finish=finish)
 
-    def batch(self, replica: str, size: int, busy_s: float) -> None:
+    def batch(self, replica: str, size: int, tokens: int, busy_s: float) -> None:
         self._tally("verify_batches")
         self._tally("verify_batched_calls", size)
         self._emit("batch", size, replica=replica)
+        self._emit("batch_tokens", tokens, replica=replica)
+
+    def draft_batch(self, replica: str, size: int) -> None:
+        self._tally("draft_batches")
+        self._tally("draft_batched_calls", size)
+        self._emit("draft_batch", size, replica=replica)
 
     def busy(self, service: str, replica: str, seconds: float) -> None:
         self._emit("busy", seconds, service=service, replica=replica)

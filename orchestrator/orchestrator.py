@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import ray
 
 from orchestrator.actors import EngineStats, ReplicaSpec, start_actor
-from orchestrator.batching import VerifyBatcher
+from orchestrator.batching import Batcher
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool, Timeouts
 from orchestrator.requests import ChunkStats, GenerateJob, StreamChunk
@@ -53,7 +53,7 @@ class RequestStream:
     def __init__(self, orch: Orchestrator, job: GenerateJob, sink: Callable[[object], None]) -> None:
         self.job, self.sink, self.orch = job, sink, orch
         self.route = Route(job.request_id)
-        self.drafter = RoutedDrafter(orch.drafters, self.route, orch.metrics)
+        self.drafter = RoutedDrafter(orch.drafters, self.route, orch.metrics, orch.batchers)
         self.verifier = RoutedVerifier(orch.verifiers, self.route, orch.metrics, orch.batchers)
         self.tokens: list[int] = []  # committed output so far
         self._text = ""
@@ -119,8 +119,8 @@ class Orchestrator:
         self.config, self.detokenize = config, detokenize
         self.metrics = metrics or Metrics()
         self.drafters, self.verifiers = ReplicaPool(drafters), ReplicaPool(verifiers)
-        self.batchers = {r: VerifyBatcher(r, config.max_batch, self._on_batch, config.max_batch_tokens)
-                         for r in verifiers}
+        self.batchers = {r: Batcher(r, config.max_batch, self._on_batch, config.max_batch_tokens)
+                         for r in (*drafters, *verifiers)}
         self.requests: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
 
@@ -195,8 +195,11 @@ class Orchestrator:
             req.cancel()
 
     # -- operations ---------------------------------------------------------------------
-    def _on_batch(self, replica: Replica, size: int, busy_s: float) -> None:
-        self.metrics.batch(replica.name, size, busy_s)
+    def _on_batch(self, replica: Replica, size: int, tokens: int, busy_s: float) -> None:
+        if replica.kind == "verifier":
+            self.metrics.batch(replica.name, size, tokens, busy_s)
+        else:
+            self.metrics.draft_batch(replica.name, size)
 
     def engine_stats(self) -> dict[str, EngineStats]:
         """Per replica (``"drafter/<name>"``, ``"verifier/<name>"``): busy seconds, calls, sessions."""

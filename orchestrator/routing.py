@@ -8,8 +8,8 @@
   the session on the healthiest other replica, where it is unknown (NOT_FOUND), and the
   links rebuild it: the drafter from the logged feature deltas, the verifier from the
   committed tokens with the pending anchor.
-- Verify calls go through the replica's ``VerifyBatcher`` (``batching.py``); replicas and
-  their health are ``replicas.py``'s.
+- Draft and verify calls go through the replica's ``Batcher`` (``batching.py``); replicas
+  and their health are ``replicas.py``'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.batching import VerifyBatcher
+from orchestrator.batching import Batcher
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool
-from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
 from presto_sd.engine.messages import EngineError, FeatureDelta
 from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
@@ -51,8 +51,9 @@ class _Routed:
 
     kind = ""
 
-    def __init__(self, pool: ReplicaPool, route: Route, metrics: Metrics) -> None:
-        self.pool, self.route, self.metrics = pool, route, metrics
+    def __init__(self, pool: ReplicaPool, route: Route, metrics: Metrics,
+                 batchers: dict[Replica, Batcher]) -> None:
+        self.pool, self.route, self.metrics, self.batchers = pool, route, metrics, batchers
 
     def _home(self) -> Replica:
         with self.pool.lock:
@@ -105,7 +106,12 @@ class RoutedDrafter(_Routed, Drafter):
         return self._call("prefill", session_id, delta)
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        return self._call("draft", session_id, anchor, base, params)
+        answer = self.batchers[self._home()].submit(DraftCall(session_id, anchor, base, params))
+        res, busy_s, _ = answer.result()
+        self.route.drafter_s += busy_s
+        if isinstance(res, BaseException):
+            raise res
+        return res
 
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
         return self._call("commit", session_id, delta)
@@ -115,9 +121,8 @@ class RoutedVerifier(_Routed, Verifier):
     kind = "verifier"
 
     def __init__(self, pool: ReplicaPool, route: Route, metrics: Metrics,
-                 batchers: dict[Replica, VerifyBatcher]) -> None:
-        super().__init__(pool, route, metrics)
-        self.batchers = batchers
+                 batchers: dict[Replica, Batcher]) -> None:
+        super().__init__(pool, route, metrics, batchers)
         self._prefills = 0
 
     def info(self) -> VerifierInfo:
