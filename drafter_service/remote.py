@@ -6,13 +6,16 @@ away or too slow raises ``DrafterUnavailableError`` (the loop then takes AR step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from drafter_service import wire
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from presto_sd.engine.drafter import Drafter, DrafterInfo, DraftResult
-from presto_sd.engine.messages import DrafterUnavailableError, FeatureDelta
+from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.messages import DrafterUnavailableError, EngineError, FeatureDelta
 from presto_sd.method.builders import TreeParams
 from presto_sd.rpc.client import ClientConfig, RpcClient
-from presto_sd.rpc.wire import delta_to_pb, session_ref_to_pb, tree_params_to_pb
+from presto_sd.rpc.errors import RemoteError
+from presto_sd.rpc.wire import delta_to_pb, session_ref_to_pb
 
 
 class RemoteDrafter(Drafter):
@@ -41,11 +44,24 @@ class RemoteDrafter(Drafter):
         return self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s).base
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        request = drafter_pb2.DraftRequest(
-            session=session_ref_to_pb(session_id, base), anchor=anchor,
-            params=tree_params_to_pb(params), want_marginals=self.want_marginals,
-        )
+        request = wire.draft_request_to_pb(DraftCall(session_id, anchor, base, params), self.want_marginals)
         return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
+
+    def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
+        """One ``DraftBatch`` call; a failure of the whole call is every item's error."""
+        if not calls:
+            return []
+        request = drafter_pb2.DraftBatchRequest(
+            items=[wire.draft_request_to_pb(c, self.want_marginals) for c in calls])
+        try:
+            msg = self.rpc.call(self.stub.DraftBatch, request, self.timeout_s)
+        except EngineError as e:
+            return [e] * len(calls)
+        answers = wire.draft_batch_from_pb(msg, DrafterUnavailableError)
+        if len(answers) != len(calls):
+            error = RemoteError("INTERNAL", f"DraftBatch: {len(answers)} answers to {len(calls)} items")
+            return [error] * len(calls)
+        return answers
 
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
         request = drafter_pb2.CommitRequest(

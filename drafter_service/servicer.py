@@ -9,7 +9,7 @@ import grpc
 
 from drafter_service import wire
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from presto_sd.engine.messages import InvalidArgumentError
+from presto_sd.engine.messages import EngineError, InvalidArgumentError
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import delta_from_pb, session_id_from, session_ref_from_pb, tree_params_from_pb
 
@@ -31,6 +31,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         params = tree_params_from_pb(request.params)
         res = await self.run(context, "draft", sid, request.anchor, base, params)
         return wire.draft_result_to_pb(res, request.want_marginals)
+
+    async def DraftBatch(self, request, context: grpc.aio.ServicerContext):
+        items = wire.draft_calls_from_pb(request)  # a malformed item: its own error
+        calls = [c for c in items if not isinstance(c, EngineError)]
+        results = iter(await self.run(context, "draft_batch", calls))
+        answers = [c if isinstance(c, EngineError) else next(results) for c in items]
+        return wire.draft_batch_to_pb(answers, [item.want_marginals for item in request.items])
 
     async def Commit(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from presto_pb.v1 import common_pb2
 from presto_pb.v1 import drafter_pb2 as pb
-from presto_sd.engine.drafter import DrafterInfo, DraftResult
+from presto_sd.engine.drafter import DraftCall, DrafterInfo, DraftResult
+from presto_sd.engine.messages import EngineError, UnavailableError
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.models.assets import DrafterDefaults
-from presto_sd.rpc.wire import tensor_from_pb, tensor_to_pb, tree_from_pb, tree_to_pb
+from presto_sd.rpc.errors import error_from_status, status_of
+from presto_sd.rpc.wire import (
+    session_ref_from_pb,
+    session_ref_to_pb,
+    tensor_from_pb,
+    tensor_to_pb,
+    tree_from_pb,
+    tree_params_from_pb,
+    tree_params_to_pb,
+    tree_to_pb,
+)
 
 NO_MARGINALS = DraftMarginals(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1), torch.zeros(0))
 
@@ -49,6 +63,51 @@ def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
         tree=tree_from_pb(msg.tree), marginals=marginals, path_scores=tuple(msg.path_scores),
         forward_s=msg.forward_s, build_s=msg.build_s, node_log_acceptance=tuple(msg.node_log_acceptance),
     )
+
+
+def draft_request_to_pb(c: DraftCall, want_marginals: bool) -> pb.DraftRequest:
+    return pb.DraftRequest(session=session_ref_to_pb(c.session_id, c.base), anchor=c.anchor,
+                           params=tree_params_to_pb(c.params), want_marginals=want_marginals)
+
+
+def draft_call_from_pb(msg: pb.DraftRequest) -> DraftCall:
+    sid, base = session_ref_from_pb(msg.session)
+    return DraftCall(sid, msg.anchor, base, tree_params_from_pb(msg.params))
+
+
+def draft_calls_from_pb(msg: pb.DraftBatchRequest) -> list[DraftCall | EngineError]:
+    """Each item as a call, or the error its malformed message gets (its slot, not the batch's)."""
+    out: list[DraftCall | EngineError] = []
+    for item in msg.items:
+        try:
+            out.append(draft_call_from_pb(item))
+        except EngineError as e:
+            out.append(e)
+    return out
+
+
+def draft_batch_to_pb(
+    answers: Sequence[DraftResult | EngineError], want_marginals: Sequence[bool]
+) -> pb.DraftBatchResponse:
+    items = []
+    for a, want in zip(answers, want_marginals):
+        if isinstance(a, EngineError):
+            code, message = status_of(a)
+            items.append(pb.DraftBatchItem(error=common_pb2.ItemError(code=code.name, message=message)))
+        else:
+            items.append(pb.DraftBatchItem(result=draft_result_to_pb(a, want)))
+    return pb.DraftBatchResponse(items=items)
+
+
+def draft_batch_from_pb(
+    msg: pb.DraftBatchResponse, unavailable: type[UnavailableError]
+) -> list[DraftResult | EngineError]:
+    """Results, and errors as the named exceptions a unary call raises for the same status."""
+    return [
+        draft_result_from_pb(item.result) if item.HasField("result")
+        else error_from_status(item.error.code, item.error.message, unavailable)
+        for item in msg.items
+    ]
 
 
 def info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:

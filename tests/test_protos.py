@@ -32,6 +32,6 @@ def test_services_are_described():
 
     drafter = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"]
     verifier = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"]
-    assert {m.name for m in drafter.methods} == {"Prefill", "Draft", "Commit", "Close", "Info"}
+    assert {m.name for m in drafter.methods} == {"Prefill", "Draft", "DraftBatch", "Commit", "Close", "Info"}
     assert {m.name for m in verifier.methods} == {"Prefill", "Verify", "VerifyBatch", "Step", "Close", "Info"}
     assert drafter.full_name == "presto.v1.DrafterService"

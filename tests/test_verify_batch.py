@@ -6,10 +6,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from drafter_service.remote import RemoteDrafter
 from presto_sd.embedded import hf_verifier as hf
 from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.engine.drafter import DraftCall
 from presto_sd.engine.messages import (
+    DrafterUnavailableError,
     InvalidArgumentError,
     LimitExceededError,
     SessionNotFoundError,
@@ -318,3 +320,28 @@ def test_draft_batch_equals_one_by_one(tiny_target):
         torch.testing.assert_close(res.marginals.log_probs, want.marginals.log_probs, atol=ATOL, rtol=0)
     assert isinstance(got[4], InvalidArgumentError) and "already in this batch" in str(got[4])
     assert [type(e) for e in drafter.draft_batch(bad[1:])] == [StaleBaseError, SessionNotFoundError]
+
+
+def test_draft_batch_over_grpc_equals_in_process(tiny_target):
+    verifier, served = make_engines(tiny_target)
+    server = LocalServer("drafter").start(served)
+    remote = RemoteDrafter(server.address)
+    try:
+        calls = []
+        for i, prompt in enumerate(PROMPTS[:3]):
+            pre = verifier.prefill(f"r{i}", prompt)
+            remote.prefill(f"r{i}", pre.delta)
+            params = TreeParams(method="marginal", budget=4 + i)
+            calls.append(DraftCall(f"r{i}", pre.anchor, pre.base, params))
+        bad = [DraftCall("r0", calls[0].anchor, calls[0].base + 1, calls[0].params),  # again, and stale
+               DraftCall("nope", 1, 3, calls[0].params)]
+        got, want = remote.draft_batch(calls + bad), served.draft_batch(calls + bad)
+        assert [r.tree for r in got[:3]] == [r.tree for r in want[:3]]
+        assert [(type(e), str(e)) for e in got[3:]] == [(type(e), str(e)) for e in want[3:]]
+        assert type(got[3]) is InvalidArgumentError and type(got[4]) is SessionNotFoundError
+        server.stop()
+        down = remote.draft_batch(calls[:2])  # the whole call failed: every item's error
+        assert len(down) == 2 and all(isinstance(e, DrafterUnavailableError) for e in down)
+    finally:
+        remote.shutdown()
+        server.stop()

@@ -125,3 +125,11 @@ class CloseResponse(_message.Message):
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ItemError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

@@ -61,6 +61,26 @@ class DraftResponse(_message.Message):
     node_log_acceptance: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., path_scores: _Optional[_Iterable[float]] = ..., marginals: _Optional[_Union[Marginals, _Mapping]] = ..., forward_s: _Optional[float] = ..., build_s: _Optional[float] = ..., node_log_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class DraftBatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
+
+class DraftBatchItem(_message.Message):
+    __slots__ = ("result", "error")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    result: DraftResponse
+    error: _common_pb2.ItemError
+    def __init__(self, result: _Optional[_Union[DraftResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ItemError, _Mapping]] = ...) -> None: ...
+
+class DraftBatchResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftBatchItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftBatchItem, _Mapping]]] = ...) -> None: ...
+
 class CommitRequest(_message.Message):
     __slots__ = ("session", "delta")
     SESSION_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class DrafterServiceStub:
                 request_serializer=presto_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=presto_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftBatch = channel.unary_unary(
+                '/presto.v1.DrafterService/DraftBatch',
+                request_serializer=presto_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=presto_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/presto.v1.DrafterService/Commit',
                 request_serializer=presto_dot_v1_dot_drafter__pb2.CommitRequest.SerializeToString,
@@ -74,6 +79,14 @@ class DrafterServiceServicer:
 
     def Draft(self, request, context):
         """Draft a tree after `anchor` at position session.base.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftBatch(self, request, context):
+        """Several sessions' blocks in ONE drafter forward. Each item is answered in its slot:
+        its DraftResponse, or its own error (a refused item never fails the others).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +123,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=presto_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=presto_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftBatch,
+                    request_deserializer=presto_dot_v1_dot_drafter__pb2.DraftBatchRequest.FromString,
+                    response_serializer=presto_dot_v1_dot_drafter__pb2.DraftBatchResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -181,6 +199,33 @@ class DrafterService:
             '/presto.v1.DrafterService/Draft',
             presto_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             presto_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/presto.v1.DrafterService/DraftBatch',
+            presto_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+            presto_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
