@@ -23,6 +23,7 @@ from orchestrator.replicas import Replica
 from presto_sd.engine.drafter import DraftCall
 from presto_sd.engine.messages import EngineError
 from presto_sd.engine.verifier import VerifyCall
+from presto_sd.method.batch_cost import BatchCostCurve
 
 BATCH_METHODS = {"verifier": "verify_batch", "drafter": "draft_batch"}
 
@@ -37,6 +38,9 @@ class Batcher:
         self.method = BATCH_METHODS[replica.kind]
         self.max_batch_tokens, self.linger_s = max_batch_tokens, linger_s
         self._last_busy_s = 0.0
+        self.last_tokens = 0  # new tokens of the last batch: the load a request's tree joins
+        self.last_calls = 0
+        self.cost_curve = BatchCostCurve()  # seconds vs new tokens per forward (load-aware taps)
         self._carry: tuple | None = None  # the call that did not fit the last batch: the next one's first
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
@@ -91,6 +95,8 @@ class Batcher:
                 fut.set_exception(e)
             return
         self._last_busy_s = out.busy_s
+        self.last_tokens, self.last_calls = sum(_tokens(b) for b in batch), len(batch)
+        self.cost_curve.observe(self.last_tokens, out.busy_s)
         self.on_batch(self.replica, len(batch), sum(_tokens(b) for b in batch), out.busy_s)
         for (_, fut, queued), res in zip(batch, out.value):
             if isinstance(res, EngineError):

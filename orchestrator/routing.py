@@ -24,6 +24,7 @@ from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResul
 from presto_sd.engine.messages import EngineError, FeatureDelta
 from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.batch_cost import SharedForward
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree
 
@@ -149,6 +150,22 @@ class RoutedVerifier(_Routed, Verifier):
         if isinstance(res, BaseException):
             raise res
         return res
+
+    def shared_forward(self, rows: int) -> SharedForward | None:
+        """The replica's last batch without this request's ``rows``: the load its tree joins.
+
+        The other rows' tokens per step are counted as one per other request (an AR step
+        commits one; a tree's round commits its tau, so this errs toward smaller trees).
+        """
+        batcher = self.batchers[self._home()]
+        others = batcher.last_calls - 1
+        load = batcher.last_tokens - rows
+        if others < 1 or load < 1:
+            return None
+        if batcher.cost_curve.prior is None:
+            batcher.cost_curve.prior = self.cost_model()  # shapes the sizes not seen yet
+        fit = batcher.cost_curve.shared_fit(load)
+        return None if fit is None else SharedForward(fit, float(others))
 
     def calibrate_cost(self):
         """TAPS's cost model: the replica's own (an in-process verifier measures its forwards)."""

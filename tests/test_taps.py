@@ -239,8 +239,32 @@ def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain
 
 
 class _CalibratedVerifier:
+    shared = None  # SharedForward: the load a batching front would report
+
     def cost_model(self):
         return CPU_LIKE
+
+    def shared_forward(self, rows):
+        return self.shared
+
+
+def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate():
+    """64 AR rows share the forward, compute-bound: a tree that gets 2 of 8 nodes accepted
+    slows 64 streams for 2 tokens, so the gate shuts; alone, the same round pays."""
+    from presto_sd.loop.taps_feedback import TapsFeedback
+    from presto_sd.method.batch_cost import SharedForward
+    from presto_sd.method.tree import TokenTree
+
+    loaded = _CalibratedVerifier()
+    loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=64.0)
+    tree = TokenTree.from_lists([1] * 9, [-1, 0, 1, 2, 3, 4, 5, 6, 7])
+    for verifier, shuts in ((loaded, True), (_CalibratedVerifier(), False)):
+        fb = TapsFeedback(verifier)
+        params = fb.tree_params(TreeParams(method="taps"))
+        assert params.shared_tokens == (64.0 if shuts else 0.0)
+        assert params.cost == (loaded.shared.cost if shuts else CPU_LIKE)
+        fb.observe(tree, (), 100, (1, 1), 0.01, float(CPU_LIKE.seconds(9, 100)), 0.001)
+        assert fb.should_draft() is not shuts
 
 
 def test_taps_feedback_hands_the_loop_what_it_learned():

@@ -14,6 +14,7 @@ import torch
 
 from presto_sd.engine.messages import EngineError, FeatureDelta
 from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.batch_cost import SharedForward
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree, TreeLimits
 
@@ -119,6 +120,13 @@ class Verifier(ABC):
     def cost_model(self) -> CostFit | None:
         """The live fit of forward seconds vs tree size and context (None: uncalibrated)."""
         return self.info().cost
+
+    def shared_forward(self, rows: int) -> SharedForward | None:
+        """The forward a request's next tree would share with other sessions' rows
+        (``rows``: this request's share of the last one); None when it runs alone or the
+        engine cannot tell (then ``cost_model`` prices its trees). A batching front (the
+        orchestrator) knows its load; an engine alone does not."""
+        return None
 
     def calibrate_cost(self) -> CostFit | None:
         """Measure forwards over a range of tree sizes and contexts; the fitted cost model.

@@ -4,6 +4,11 @@
   refined by its forwards) is the warm start; the loop refines it with what each round
   really cost it — the verify call as the loop sees it, transfer included in
   distributed mode.
+- **Load.** Where others share the forward (the orchestrator's batches), TAPS weighs a
+  tree against the whole forward's rate (``Verifier.shared_forward``:
+  ``presto_sd.method.batch_cost``): trees shrink toward AR steps as the load grows and
+  grow back as it falls. The lone fit learns only from forwards the request ran alone;
+  the gate compares the forward's rate with and without the tree.
 - **Draft time.** A moving average of the round's fixed cost ``t_draft``.
 - **Acceptance.** The map of ``a(u)`` that makes the trees' promised acceptance match
   what this request's target really accepts: Platt scaling with a depth term, fitted
@@ -48,6 +53,7 @@ class TapsFeedback:
         self.acceptance = OnlineAcceptanceCalibrator()
         self.max_backoff = max_backoff
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
+        self._verifier, self._rows = verifier, 1  # this request's rows in its last forward
 
     def should_draft(self) -> bool:
         """False for the rounds the gate skips (each call is one round)."""
@@ -58,7 +64,9 @@ class TapsFeedback:
 
     def tree_params(self, params: TreeParams) -> TreeParams:
         """``params`` with this round's cost model, draft-time estimate and acceptance map."""
-        return replace(params, cost=self.verify.fit, draft_s=self.draft.value or 0.0,
+        shared = self._verifier.shared_forward(self._rows)
+        cost, others = (shared.cost, shared.others_tokens) if shared else (self.verify.fit, 0.0)
+        return replace(params, cost=cost, shared_tokens=others, draft_s=self.draft.value or 0.0,
                        calibration=self.acceptance.calibration)
 
     def observe(
@@ -68,7 +76,11 @@ class TapsFeedback:
         """One round on a context of ``base``: the tree verified (None: no draft) and each
         node's raw acceptance estimate, the draft tokens accepted, and what each step of
         the round cost."""
-        self.verify.observe(tree.size + 1 if tree is not None else 1, base, verify_s)
+        rows = tree.size + 1 if tree is not None else 1
+        shared = self._verifier.shared_forward(self._rows)  # what this round's tree was priced on
+        if shared is None:  # a shared forward's wall time would teach the lone fit the others' rows
+            self.verify.observe(rows, base, verify_s)
+        self._rows = rows
         self.commit.observe(commit_s)
         if tree is None:  # skipped or fallen back: nothing learned about drafting
             return
@@ -78,8 +90,14 @@ class TapsFeedback:
                 self.acceptance.observe(node_trials(tree, node_log_acceptance, accepted))
             except ValueError:  # a foreign drafter's tree with twin siblings: learn nothing from it
                 pass
-        ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
-        self.saving.observe((len(accepted) + 1) * ar_step_s - (draft_s + verify_s + commit_s))
+        others = 0.0
+        if shared is not None:  # the shared forward's rate with the tree against without it
+            others, verify_s = shared.others_tokens, float(shared.cost.seconds(rows, base))
+            ar_step_s = (float(shared.cost.seconds(1, base)) + self.commit.value) / (others + 1)
+        else:
+            ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
+        tokens = others + len(accepted) + 1
+        self.saving.observe(tokens * ar_step_s - (draft_s + verify_s + commit_s))
         if self.saving.value < 0:
             self._backoff = min(self.max_backoff, max(1, 2 * self._backoff))
             self._skip = self._backoff

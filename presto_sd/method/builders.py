@@ -53,6 +53,8 @@ class TreeParams:
     cost: CostFit | None = None
     draft_s: float = 0.0
     node_penalty_s: float = 0.0
+    # under load (batch_cost.py): what the shared forward's other rows commit per step
+    shared_tokens: float = 0.0
     depth_penalty: float = 0.0
     calibration: AcceptanceCalibration = AcceptanceCalibration()
 
@@ -65,7 +67,7 @@ class TreeParams:
             raise ValueError("tree.branching, tree.beam and tree.top_k must be >= 1")
         if not self.lambdas or any(lam < 0 for lam in self.lambdas):
             raise ValueError(f"tree.lambdas = {self.lambdas}: must be non-empty and >= 0")
-        for name in ("draft_s", "node_penalty_s", "depth_penalty"):
+        for name in ("draft_s", "node_penalty_s", "depth_penalty", "shared_tokens"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
@@ -243,13 +245,14 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     def seconds(b: int) -> float:  # choose_budget's denominator: the same rates, exactly
         return float(round_seconds(b, params.cost, base, params.draft_s, params.node_penalty_s))
 
-    state = {"nodes": 0, "expected": 0.0, "best": 1.0 / max(seconds(0), 1e-9)}
+    others = params.shared_tokens  # the shared forward's other rows: in every rate's numerator
+    state = {"nodes": 0, "expected": 0.0, "best": (others + 1.0) / max(seconds(0), 1e-9)}
 
     def stop(log_reach: float) -> bool:
         reach = math.exp(log_reach)
         state["nodes"] += 1
         state["expected"] += reach
-        rate = (1 + state["expected"]) / max(seconds(state["nodes"]), 1e-9)
+        rate = (others + 1 + state["expected"]) / max(seconds(state["nodes"]), 1e-9)
         state["best"] = max(state["best"], rate)
         return per_node > 0 and reach <= state["best"] * per_node
 
@@ -270,7 +273,8 @@ def build_taps_tree(
     t = full.tree
     # pop order is node order; the depth penalty steers the ranking, not the reach
     reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
-    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s)
+    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s,
+                           params.shared_tokens)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
     raw = [0.0] + [scorer.raw_log_a[tuple(tree.path_tokens(u)[1:])] for u in range(1, keep)]

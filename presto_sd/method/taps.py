@@ -46,10 +46,14 @@ def choose_budget(
     context: int,
     draft_s: float,
     node_penalty_s: float = 0.0,
+    shared_tokens: float = 0.0,
 ) -> BudgetChoice:
     """``B*`` over the prefixes of ``reaches`` (the pop order of a best-first tree).
 
-    Ties go to the smaller tree: the same expected rate for less verifier work.
+    Ties go to the smaller tree: the same expected rate for less verifier work. Under load
+    (``shared_tokens`` > 0: what the shared forward's other rows commit per step, and
+    ``cost`` that forward's seconds with this tree in it) the rate is the forward's:
+    ``(shared + 1 + E[T_B]) / seconds`` (``presto_sd.method.batch_cost``).
     """
     r = np.asarray(reaches, dtype=np.float64)
     if np.any(r < 0) or np.any(r > 1 + 1e-9):
@@ -57,7 +61,7 @@ def choose_budget(
     b = np.arange(len(r) + 1)
     expected = np.concatenate([[0.0], np.cumsum(r)])
     seconds = round_seconds(b, cost, context, draft_s, node_penalty_s)
-    objective = (1.0 + expected) / np.maximum(seconds, 1e-9)
+    objective = (shared_tokens + 1.0 + expected) / np.maximum(seconds, 1e-9)
     if not np.all(np.isfinite(objective)):
         raise ValueError(f"choose_budget: non-finite rates (draft_s {draft_s}, cost {cost})")
     # the first (near-)maximum: a gain below float noise never buys a bigger tree
