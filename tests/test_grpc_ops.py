@@ -130,7 +130,7 @@ def test_deadline_exceeded_is_reported_not_hung_and_not_run_late(tiny_target):
         with pytest.raises(DrafterUnavailableError, match="DEADLINE_EXCEEDED"):
             remote.commit("d", FeatureDelta(2, (3,), torch.zeros(1, width)))
         time.sleep(1.0)
-        assert inner.sessions["d"].base == 2
+        assert inner.sessions["anonymous/d"].base == 2  # keyed by principal
         slow.delay, remote.timeout_s = 0.0, 10.0
         assert remote.commit("d", FeatureDelta(2, (3,), torch.zeros(1, width))) == 3
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from presto_sd.engine.messages import (
     SessionNotFoundError,
     StaleBaseError,
     VerifierUnavailableError,
+    session_tag,
 )
 from presto_sd.engine.verifier import VerifierLimits, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
@@ -314,7 +317,10 @@ def test_verify_batch_over_grpc_equals_in_process(tiny_target):
                 assert_same(res, ref)
             assert [type(e) for e in got[3:]] == [type(e) for e in want[3:]] == [
                 InvalidArgumentError, SessionNotFoundError, InvalidArgumentError]
-            assert [str(e) for e in got[3:]] == [str(e) for e in want[3:]]
+            # the same messages, but for the tag: over gRPC a session is keyed by its principal
+            tags = {session_tag(f"anonymous/{sid}"): session_tag(sid) for sid in ("s0", "nope")}
+            assert [functools.reduce(lambda t, kv: t.replace(*kv), tags.items(), str(e))
+                    for e in got[3:]] == [str(e) for e in want[3:]]
         server.stop()
         down = remote.verify_batch(calls[:2])  # the whole call failed: every item's error
         assert len(down) == 2 and all(isinstance(e, VerifierUnavailableError) for e in down)

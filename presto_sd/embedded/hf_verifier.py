@@ -4,18 +4,24 @@ Tree attention uses transformers' custom 4-D additive masks: a node sees the com
 prefix and its own ancestors, at position ``base + depth``. After the walk the KV cache
 keeps exactly the accepted path (gather, drop the rest), which equals the KV that AR
 decoding of the same tokens produces (tests hold this).
+
+A long prompt is prefilled in chunks of ``prefill_chunk`` tokens, each an incremental
+forward on the cache the earlier ones built (as AR decoding builds it); ``prefill_steps``
+yields between chunks, so a server runs other sessions' calls in between. KV bytes are
+admitted against the session table's budget before a forward allocates them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from presto_sd.embedded.cost_calibration import calibrate_verify_cost
+from presto_sd.embedded.memory import target_kv_bytes_per_token
 from presto_sd.embedded.packing import (
     KV,
     LAYOUTS,
@@ -31,6 +37,7 @@ from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
     check_base,
+    session_tag,
 )
 from presto_sd.engine.sessions import SessionTable
 from presto_sd.engine.verifier import (
@@ -65,6 +72,19 @@ class _Session:
     def base(self) -> int:
         return len(self.tokens) - 1
 
+    @property
+    def positions(self) -> int:  # KV positions cached: every committed token but the anchor
+        return self.base
+
+
+def drain(steps: Generator[None, None, PrefillResult]) -> PrefillResult:
+    """Run a ``prefill_steps`` generator to its end: its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
 
 class HFVerifier(Verifier):
     def __init__(
@@ -75,9 +95,13 @@ class HFVerifier(Verifier):
         eos_token_ids: tuple[int, ...] = (),
         name: str = "",
         batch_layout: str = "auto",  # verify_batch: auto | packed | padded (presto_sd.embedded.packing)
+        max_kv_bytes: int | None = None,  # the sessions' KV budget (None: no budget)
+        prefill_chunk: int = 512,  # tokens per prefill forward
     ) -> None:
         if batch_layout not in LAYOUTS:
             raise ValueError(f"batch_layout {batch_layout!r}: not one of {LAYOUTS}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -96,7 +120,13 @@ class HFVerifier(Verifier):
         self.eos_token_ids = tuple(eos_token_ids)
         self.name = name or model.config.name_or_path
         self._cache_kwarg = cache_kwarg(self.decoder)
-        self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
+        self.prefill_chunk = prefill_chunk
+        self.sessions: SessionTable[_Session] = SessionTable(
+            "verifier", self.limits.max_sessions, target_kv_bytes_per_token(model.config, model.dtype),
+            max_kv_bytes,
+        )
+        # one position's feature row: the response size of a prefill or verify follows from it
+        self.feature_row_bytes = len(self.target_layer_ids) * model.config.hidden_size * model.dtype.itemsize
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
         self.batch_layout, self._flops = batch_layout, ForwardCost.of(model)
@@ -115,6 +145,7 @@ class HFVerifier(Verifier):
             target_layer_ids=self.target_layer_ids,
             limits=self.limits,
             cost=self.forward_costs.fit,
+            memory=self.sessions.memory(),
         )
 
     def calibrate_cost(self) -> CostFit:
@@ -156,14 +187,31 @@ class HFVerifier(Verifier):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    @torch.inference_mode()
     def prefill(
         self,
         session_id: str,
         token_ids: list[int],
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
+        restart: bool = False,
     ) -> PrefillResult:
+        return drain(self.prefill_steps(session_id, token_ids, sampling, anchor, restart))
+
+    @torch.inference_mode()
+    def prefill_steps(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+        restart: bool = False,
+    ) -> Generator[None, None, PrefillResult]:
+        """``prefill``, one chunk a step: it yields between chunks and returns the result.
+
+        Checks and the seat (session cap, KV budget, ALREADY_EXISTS) come before the first
+        forward; the session opens only after the last chunk, so a generator closed early
+        (a deadline, a cancelled call) leaves the table as it was.
+        """
         if not token_ids:
             raise InvalidArgumentError("prefill.token_ids: empty prompt")
         bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
@@ -174,18 +222,26 @@ class HFVerifier(Verifier):
             raise LimitExceededError(
                 f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
             )
-        self.sessions.check_room(session_id)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        # plain dynamic layers: sliding-window layers would drop entries the tree mask indexes
-        cache = DynamicCache()
-        positions = torch.arange(len(token_ids))
-        hidden, feats = self._forward(cache, token_ids, positions, None)
-        if anchor is None:
-            anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
-        session = _Session(cache, [*token_ids, anchor], sampling, generator)
-        self.sessions.open(session_id, session)
-        delta = FeatureDelta(0, tuple(token_ids), feats)
+        seat = self.sessions.seat(session_id, len(token_ids), restart)
+        try:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            # plain dynamic layers: sliding-window layers would drop entries the tree mask indexes
+            cache = DynamicCache()
+            feats = []
+            for start in range(0, len(token_ids), self.prefill_chunk):
+                if start:
+                    yield  # between chunks: the engine may run other sessions' calls
+                chunk = token_ids[start : start + self.prefill_chunk]
+                hidden, f = self._forward(cache, chunk, torch.arange(start, start + len(chunk)), None)
+                feats.append(f)
+            if anchor is None:
+                anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
+            session = _Session(cache, [*token_ids, anchor], sampling, generator)
+            delta = FeatureDelta(0, tuple(token_ids), torch.cat(feats) if len(feats) > 1 else feats[0])
+            self.sessions.open(seat, session)
+        finally:
+            self.sessions.release(seat)
         return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
 
     @torch.inference_mode()
@@ -193,6 +249,7 @@ class HFVerifier(Verifier):
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
         s = self._check(session_id, base, tree)
+        self.sessions.admit(len(tree.tokens), f"a verify of {len(tree.tokens)} nodes")
         return self._verify_in_place(s, base, tree, want_node_probs)
 
     @torch.inference_mode()
@@ -204,7 +261,9 @@ class HFVerifier(Verifier):
         stays out of the forward, its session untouched. The forward runs on a temporary
         cache gathered from the sessions' caches; each session then walks its own nodes
         with its own generator (so draws are those of sequential ``verify``) and appends
-        the accepted path's KV. A failure anywhere leaves every session at its base.
+        the accepted path's KV. When that temporary cache would not fit the KV budget, the
+        calls run one by one on their own caches instead (the same results). A failure
+        anywhere leaves every session at its base.
         """
         out: list[VerifyResult | EngineError | None] = [None] * len(calls)
         todo: list[tuple[int, _Session]] = []
@@ -213,20 +272,48 @@ class HFVerifier(Verifier):
             try:
                 if c.session_id in seen:
                     raise InvalidArgumentError(
-                        f"verify_batch.calls[{j}]: session {c.session_id!r} is already in this batch"
+                        f"verify_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
+                        "this batch"
                     )
                 seen.add(c.session_id)
                 todo.append((j, self._check(c.session_id, c.base, c.tree)))
             except EngineError as e:
                 out[j] = e
-        if len(todo) == 1:  # nothing to batch: the session's own cache, no gather
-            (j, s), = todo
-            out[j] = self._verify_in_place(s, calls[j].base, calls[j].tree, calls[j].want_node_probs)
+        if len(todo) == 1 or todo and not self._fits_together([calls[j] for j, _ in todo]):
+            self._verify_one_by_one([(j, s, calls[j]) for j, s in todo], out)
         elif todo:
             results = self._verify_together([(s, calls[j]) for j, s in todo])
             for (j, _), r in zip(todo, results):
                 out[j] = r
         return out
+
+    def _verify_one_by_one(self, items: list[tuple[int, _Session, VerifyCall]], out: list) -> None:
+        """Each call on its own cache, admitted alone; a failure rolls every one of them back."""
+        done: list[tuple[_Session, int, torch.Tensor]] = []
+        try:
+            for j, s, c in items:
+                try:
+                    self.sessions.admit(len(c.tree.tokens), f"a verify of {len(c.tree.tokens)} nodes")
+                except EngineError as e:
+                    out[j] = e
+                    continue
+                rng = s.generator.get_state()
+                out[j] = self._verify_in_place(s, c.base, c.tree, c.want_node_probs)
+                done.append((s, c.base, rng))
+        except BaseException:
+            for s, base, rng in done:
+                _rollback(s, base, rng)
+            raise
+
+    def _fits_together(self, calls: list[VerifyCall]) -> bool:
+        """Whether one forward's temporary cache fits the KV budget: at most sessions x (the
+        longest context + the largest tree) positions (packed rows hold less). When it does
+        not, the calls run one by one on their own caches (the same results)."""
+        budget = self.sessions.budget_bytes
+        if budget is None:
+            return True
+        rows = len(calls) * (max(c.base for c in calls) + max(len(c.tree.tokens) for c in calls))
+        return self.sessions.in_use_bytes() + rows * self.sessions.bytes_per_token <= budget
 
     # -- verification steps, shared by verify and verify_batch ----------------------------
     def _check(self, session_id: str, base: int, tree: TokenTree) -> _Session:

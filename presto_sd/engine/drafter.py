@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from presto_sd.engine.messages import FeatureDelta
+from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
@@ -27,6 +28,7 @@ class DrafterInfo:
     name: str = ""
     defaults: DrafterDefaults = field(default_factory=DrafterDefaults)  # fitted PRESTO settings, if shipped
     max_sessions: int = 0  # 0: not stated
+    memory: KVMemory = field(default_factory=KVMemory, compare=False)  # live: context K/V bytes, budget
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,9 @@ class Drafter(ABC):
     def info(self) -> DrafterInfo: ...
 
     @abstractmethod
-    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
-        """Start (or restart) a session from the prompt's features (``delta.start == 0``).
+    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
+        """Start a session from the prompt's features (``delta.start == 0``); ``restart``
+        replaces the open one of that id (without it an open id is ``AlreadyExistsError``).
 
         Returns the session's base (``delta.end``).
         """
