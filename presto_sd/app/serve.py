@@ -70,7 +70,8 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
         e.add_argument("--drafter-gpus", type=float, default=0.0, help="GPUs per in-process drafter actor")
         e.add_argument("--verifier-gpus", type=float, default=0.0, help="GPUs per in-process verifier actor")
         add_client_args(e, "engine-", "the engine servers")
-        add_serving_args(p.add_argument_group("serving (as presto-sd serve verifier)"))
+    # up: the orchestrator's TLS and tokens; its engines then want a token only it holds
+    add_serving_args(p.add_argument_group("serving (as presto-sd serve verifier)"))
     r = p.add_argument_group("ray and scheduling")
     if not up:
         r.add_argument("--ray-address", default=None,
