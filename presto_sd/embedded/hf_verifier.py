@@ -28,6 +28,7 @@ from presto_sd.embedded.packing import (
     ForwardCost,
     append_kv,
     gather_cache,
+    keep_positions,
     node_kv,
     plan_batches,
 )
@@ -75,15 +76,6 @@ class _Session:
     @property
     def positions(self) -> int:  # KV positions cached: every committed token but the anchor
         return self.base
-
-
-def drain(steps: Generator[None, None, PrefillResult]) -> PrefillResult:
-    """Run a ``prefill_steps`` generator to its end: its result."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 class HFVerifier(Verifier):
@@ -195,7 +187,12 @@ class HFVerifier(Verifier):
         anchor: int | None = None,
         restart: bool = False,
     ) -> PrefillResult:
-        return drain(self.prefill_steps(session_id, token_ids, sampling, anchor, restart))
+        steps = self.prefill_steps(session_id, token_ids, sampling, anchor, restart)
+        while True:  # every chunk at once
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
 
     @torch.inference_mode()
     def prefill_steps(
@@ -358,7 +355,7 @@ class HFVerifier(Verifier):
             _rollback(s, base, rng)  # never half-applied
             raise
         keep = torch.cat([torch.arange(base), base + torch.tensor(walk.path)]).to(self.device)
-        _compact_cache(s.cache, keep)
+        keep_positions(s.cache, keep)
         result = self._commit(s, base, tree, walk, feats, node_probs)
         if self.forward_costs.prior is not None:  # refine the calibrated fit, never replace it
             self.forward_costs.observe(len(tree.tokens), base, time.perf_counter() - t0)
@@ -420,20 +417,9 @@ class HFVerifier(Verifier):
 
 def _rollback(s: _Session, base: int, rng: torch.Tensor) -> None:
     """Back to ``base``: the KV, the committed tokens and the generator's state."""
-    _compact_cache(s.cache, torch.arange(base))
+    keep_positions(s.cache, torch.arange(base))
     del s.tokens[base + 1 :]
     s.generator.set_state(rng)
-
-
-def _compact_cache(cache: DynamicCache, keep: torch.Tensor) -> None:
-    """Keep only the KV positions in ``keep`` (the prefix and the accepted path)."""
-    contiguous = len(keep) == 0 or int(keep[-1]) == len(keep) - 1  # a plain truncation
-    for layer in cache.layers:
-        if contiguous:
-            layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
-        else:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
 
 
 def _max_context(config, requested: int) -> int:

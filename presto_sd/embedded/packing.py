@@ -119,3 +119,14 @@ def append_kv(cache: DynamicCache, kv: KV) -> None:
     for layer, (keys, values) in zip(cache.layers, kv):
         layer.keys = torch.cat([layer.keys, keys], dim=-2)
         layer.values = torch.cat([layer.values, values], dim=-2)
+
+
+def keep_positions(cache: DynamicCache, keep: torch.Tensor) -> None:
+    """Keep only the KV positions in ``keep`` (the prefix and the accepted path)."""
+    contiguous = len(keep) == 0 or int(keep[-1]) == len(keep) - 1  # a plain truncation
+    for layer in cache.layers:
+        if contiguous:
+            layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
+        else:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
