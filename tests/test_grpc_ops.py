@@ -23,6 +23,7 @@ from presto_sd.engine.messages import (
     SessionNotFoundError,
     UnauthenticatedError,
     VerifierUnavailableError,
+    session_tag,
 )
 from presto_sd.loop.faults import FaultPolicy
 from presto_sd.loop.generate import GenerationParams, stream_generate
@@ -90,7 +91,7 @@ def test_idle_sessions_expire(tiny_target):
     try:
         remote.prefill("idle", [1, 2])
         time.sleep(0.6)
-        with pytest.raises(SessionNotFoundError, match="idle"):
+        with pytest.raises(SessionNotFoundError, match=session_tag("anonymous/idle")):
             remote.step("idle", 2, 0)
     finally:
         remote.shutdown()
