@@ -272,3 +272,26 @@ def test_another_sessions_step_runs_between_the_chunks_of_a_long_prefill(tiny_ta
         remote.shutdown()
         other.shutdown()
         server.stop()
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_a_long_prompt_chunked_equals_ar():
+    """The real target in fp32, a prompt of three chunks: the loop's greedy output is
+    transformers' own, with and without chunking."""
+    from presto_sd.app.generate import encode_prompt
+    from presto_sd.embedded.stack import build_embedded
+
+    stack = build_embedded(device=torch.device("cpu"), dtype=torch.float32)
+    colors = ["red", "green", "blue", "amber", "violet", "white", "black"]
+    text = " ".join(f"Box {i} is {colors[i % 7]} and holds {3 * i + 1} apples." for i in range(100))
+    prompt = encode_prompt(stack.tokenizer, text + " Which box holds the most apples?", chat=True)
+    assert 1024 < len(prompt) < 1536  # three chunks of 512
+    with torch.no_grad():
+        ref = stack.verifier.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+    ref = ref[0, len(prompt):].tolist()
+    params = GenerationParams("presto-beam", TreeParams("presto-beam", budget=16), max_new_tokens=24,
+                              stop_token_ids=stack.verifier.eos_token_ids)
+    for chunk in (512, 4096):
+        stack.verifier.prefill_chunk = chunk
+        assert generate(stack.verifier, stack.drafter, prompt, params).token_ids == ref, chunk
