@@ -27,6 +27,7 @@ from presto_sd.rpc.client import make_channel
 from presto_sd.rpc.server import ServerConfig
 from tests.conftest import hf_greedy, make_engines
 from tests.rpc_util import LocalServer
+from verifier_service import wire
 from verifier_service.remote import RemoteVerifier
 
 CODE = grpc.StatusCode
@@ -112,6 +113,25 @@ def test_a_response_over_the_message_cap_changes_nothing(wide_target):
         assert out == ar[:20]
     finally:
         server.stop()
+
+
+def test_the_response_bounds_hold_for_real_responses(tiny_target):
+    verifier, _ = make_engines(tiny_target)
+    row = verifier.feature_row_bytes
+    assert row == 2 * 32 * 4  # two target layers x hidden 32 x fp32
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 300):
+        prompt = torch.randint(0, 16, (n,), generator=g).tolist()
+        pre = verifier.prefill(f"p{n}", prompt)
+        assert wire.prefill_result_to_pb(pre).ByteSize() <= wire.prefill_response_bound(n, row)
+        base, anchor = pre.base, pre.anchor
+        for size in (0, 3, 40):
+            greedy = hf_greedy(tiny_target, [*prompt, anchor], size) if size else []
+            tree = TokenTree.from_lists([anchor, *greedy], list(range(-1, size)))  # a chain: all accepted
+            call = VerifyCall(f"p{n}", base, tree, want_node_probs=size == 3)
+            res = verifier.verify(call.session_id, base, tree, call.want_node_probs)
+            assert wire.verify_result_to_pb(res).ByteSize() <= wire.verify_response_bound(call, row)
+            base, anchor = res.base, res.bonus
 
 
 # -- defect 9: KV bytes admitted against a budget, before anything is allocated ----------

@@ -163,7 +163,8 @@ class EngineHost:
             return value
         finally:
             if not done:
-                self._thread.submit(steps.close)  # after the step in flight, if any
+                with contextlib.suppress(RuntimeError):  # the engine thread is gone: so is the engine
+                    self._thread.submit(steps.close)  # after the step in flight, if any
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
