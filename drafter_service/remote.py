@@ -39,8 +39,9 @@ class RemoteDrafter(Drafter):
             self._info = wire.info_from_pb(msg)
         return self._info
 
-    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
-        request = drafter_pb2.DrafterPrefillRequest(session_id=session_id, delta=delta_to_pb(delta))
+    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
+        request = drafter_pb2.DrafterPrefillRequest(session_id=session_id, delta=delta_to_pb(delta),
+                                                    restart=restart)
         return self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s).base
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:

@@ -1,9 +1,14 @@
 """``DrafterService`` over gRPC: thin ``from_pb -> engine -> to_pb`` adapters.
 
 Errors become status codes in the server's one interceptor (``presto_sd.rpc.server``).
+Session ids are keyed by the caller's principal (``EngineHost.session_key``). No drafter
+call changes a session and answers more than a few bytes (a Draft changes nothing), so
+none needs the verifier's response bounds.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import grpc
 
@@ -22,18 +27,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         EngineHost.__init__(self, "drafter")
 
     async def Prefill(self, request, context: grpc.aio.ServicerContext):
-        sid = session_id_from(request.session_id)
-        base = await self.run(context, "prefill", sid, delta_from_pb(request.delta))
+        sid = self.session_key(session_id_from(request.session_id))
+        base = await self.run(context, "prefill", sid, delta_from_pb(request.delta), request.restart)
         return drafter_pb2.DrafterPrefillResponse(base=base)
 
     async def Draft(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
         params = tree_params_from_pb(request.params)
-        res = await self.run(context, "draft", sid, request.anchor, base, params)
+        res = await self.run(context, "draft", self.session_key(sid), request.anchor, base, params)
         return wire.draft_result_to_pb(res, request.want_marginals)
 
     async def DraftBatch(self, request, context: grpc.aio.ServicerContext):
-        items = wire.draft_calls_from_pb(request)  # a malformed item: its own error
+        items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
+                 for c in wire.draft_calls_from_pb(request)]  # a malformed item: its own error
         calls = [c for c in items if not isinstance(c, EngineError)]
         results = iter(await self.run(context, "draft_batch", calls))
         answers = [c if isinstance(c, EngineError) else next(results) for c in items]
@@ -44,10 +50,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         delta = delta_from_pb(request.delta)
         if delta.start != base:
             raise InvalidArgumentError(f"delta.start = {delta.start}: must equal session.base = {base}")
-        return drafter_pb2.CommitResponse(base=await self.run(context, "commit", sid, delta))
+        base = await self.run(context, "commit", self.session_key(sid), delta)
+        return drafter_pb2.CommitResponse(base=base)
 
     async def Close(self, request, context: grpc.aio.ServicerContext):
-        await self.run(context, "close", session_id_from(request.session_id))
+        await self.run(context, "close", self.session_key(session_id_from(request.session_id)))
         return common_pb2.CloseResponse()
 
     async def Info(self, request, context: grpc.aio.ServicerContext):

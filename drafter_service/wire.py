@@ -14,6 +14,8 @@ from presto_sd.method.scores import DraftMarginals
 from presto_sd.models.assets import DrafterDefaults
 from presto_sd.rpc.errors import error_from_status, status_of
 from presto_sd.rpc.wire import (
+    memory_from_pb,
+    memory_to_pb,
     session_ref_from_pb,
     session_ref_to_pb,
     tensor_from_pb,
@@ -117,6 +119,7 @@ def info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:
         vocab_size=i.vocab_size, methods=i.methods, rho_providers=i.rho_providers, name=i.name,
         default_rho=d.rho or "", default_lambdas=d.lambdas, max_sessions=i.max_sessions,
         lambdas_by_rho={rho: pb.Lambdas(values=lams) for rho, lams in d.lambdas_by_rho.items()},
+        memory=memory_to_pb(i.memory),
     )
 
 
@@ -129,5 +132,5 @@ def info_from_pb(msg: pb.DrafterInfo) -> DrafterInfo:
         block_size=msg.block_size, target_layer_ids=tuple(msg.target_layer_ids),
         mask_token_id=msg.mask_token_id, vocab_size=msg.vocab_size, methods=tuple(msg.methods),
         rho_providers=tuple(msg.rho_providers), name=msg.name, defaults=defaults,
-        max_sessions=msg.max_sessions,
+        max_sessions=msg.max_sessions, memory=memory_from_pb(msg.memory),
     )

@@ -52,13 +52,13 @@ class RequestStream:
 
     def __init__(self, orch: Orchestrator, job: GenerateJob, sink: Callable[[object], None]) -> None:
         self.job, self.sink, self.orch = job, sink, orch
-        self.route = Route(job.request_id)
+        self.route = Route(job.session_id)
         self.drafter = RoutedDrafter(orch.drafters, self.route, orch.metrics, orch.batchers)
         self.verifier = RoutedVerifier(orch.verifiers, self.route, orch.metrics, orch.batchers)
         self.tokens: list[int] = []  # committed output so far
         self._text = ""
         self._cancelled = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"request-{job.request_id[:8]}")
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"request-{job.session_id[:8]}")
 
     def cancel(self) -> None:
         """Stop after the round in flight; both sessions are closed."""
@@ -68,7 +68,7 @@ class RequestStream:
         job, method = self.job, get_method(self.job.params.method)
         finish = "cancelled"
         stream = stream_generate(self.verifier, self.drafter if method.needs_drafter else None,
-                                 list(job.prompt_ids), job.params, self.orch.detokenize, job.request_id)
+                                 list(job.prompt_ids), job.params, self.orch.detokenize, job.session_id)
         try:
             t0 = time.perf_counter()
             for chunk in stream:
@@ -146,17 +146,17 @@ class Orchestrator:
         with self._lock:
             if len(self.requests) >= self.config.max_requests:
                 raise LimitExceededError(f"orchestrator: {self.config.max_requests} requests running (max)")
-            if job.request_id in self.requests:
+            if job.key in self.requests:  # request ids are per principal: another's never collides
                 raise LimitExceededError(f"request {job.request_id!r} is already running")
             stream = RequestStream(self, job, sink)
-            self.requests[job.request_id] = stream
+            self.requests[job.key] = stream
             self.metrics.active(len(self.requests))
         stream.thread.start()
         return stream
 
     def _finished(self, stream: RequestStream, finish: str) -> None:
         with self._lock:
-            self.requests.pop(stream.job.request_id, None)
+            self.requests.pop(stream.job.key, None)
             self.metrics.active(len(self.requests))
         self.metrics.finished(stream.job.params.method, finish)
         if finish.startswith("error:"):

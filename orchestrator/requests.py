@@ -14,11 +14,26 @@ if TYPE_CHECKING:  # a job is built where the loop is loaded; the client never b
     from presto_sd.loop.generate import GenerationParams
 
 
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
 @dataclass(frozen=True)
 class GenerateJob:
+    """A request: its ``request_id`` is the caller's label, unique among the requests its
+    principal runs; the engines know it only by ``session_id``, minted here (128 random
+    bits, never the client's choice)."""
+
     prompt_ids: tuple[int, ...]
     params: GenerationParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=_new_id)
+    principal: str = "anonymous"  # who sent it (presto_sd.rpc.principals)
+    session_id: str = field(default_factory=_new_id)
+
+    @property
+    def key(self) -> str:
+        """Its place among the running requests: request ids are per principal."""
+        return f"{self.principal}/{self.request_id}"
 
 
 @dataclass(frozen=True)

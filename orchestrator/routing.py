@@ -33,7 +33,7 @@ from presto_sd.method.tree import TokenTree
 class Route:
     """Where one request's sessions live, and its engine time since the last chunk."""
 
-    request_id: str
+    session_id: str  # the request's session id on the engines
     drafter: Replica | None = None
     verifier: Replica | None = None
     held: set[Replica] = field(default_factory=set)  # every replica that may hold one of its sessions
@@ -64,9 +64,9 @@ class _Routed:
             new = self.pool.pick()
             if new is not current:
                 if current is not None:
-                    current.sessions.discard(self.route.request_id)
+                    current.sessions.discard(self.route.session_id)
                     self.metrics.fallback(f"{self.kind}_rehome")
-                new.sessions.add(self.route.request_id)
+                new.sessions.add(self.route.session_id)
                 setattr(self.route, self.kind, new)
                 self.route.held.add(new)
                 self._gauge()
@@ -82,7 +82,7 @@ class _Routed:
                 pass
         with self.pool.lock:
             for replica in mine:
-                replica.sessions.discard(self.route.request_id)
+                replica.sessions.discard(self.route.session_id)
             self._gauge()
 
     def _gauge(self) -> None:
@@ -103,8 +103,8 @@ class RoutedDrafter(_Routed, Drafter):
     def info(self) -> DrafterInfo:
         return self._call("info")
 
-    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
-        return self._call("prefill", session_id, delta)
+    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
+        return self._call("prefill", session_id, delta, restart)
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
         answer = self.batchers[self._home()].submit(DraftCall(session_id, anchor, base, params))
@@ -130,12 +130,12 @@ class RoutedVerifier(_Routed, Verifier):
         return self._home().call("info").value
 
     def prefill(self, session_id: str, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                anchor: int | None = None) -> PrefillResult:
+                anchor: int | None = None, restart: bool = False) -> PrefillResult:
         replica = self._home()
         if self._prefills:
             self.metrics.fallback("verifier_reprefill")
         self._prefills += 1
-        out = replica.call("prefill", session_id, token_ids, sampling, anchor,
+        out = replica.call("prefill", session_id, token_ids, sampling, anchor, restart,
                            timeout_s=replica.timeouts.prefill_s)
         self.route.verifier_s += out.busy_s
         return out.value

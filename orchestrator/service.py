@@ -24,7 +24,8 @@ from presto_sd.engine.messages import InvalidArgumentError
 from presto_sd.loop.generate import GenerationParams, ResultCollector
 from presto_sd.method.methods import METHOD_NAMES, get_method
 from presto_sd.models.loading import encode_messages
-from presto_sd.rpc.server import EngineHost
+from presto_sd.rpc.principals import ANONYMOUS
+from presto_sd.rpc.server import EngineHost, current_principal
 from presto_sd.rpc.wire import (
     sampling_from_pb,
     session_id_from,
@@ -86,7 +87,8 @@ def _given(msg) -> set[str]:
     return {fd.name for fd, _ in msg.ListFields()}
 
 
-def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer) -> GenerateJob:
+def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer,
+                principal: str = ANONYMOUS) -> GenerateJob:
     d = defaults.params
     method = msg.method if msg.HasField("method") else d.method
     if method not in METHOD_NAMES:
@@ -109,7 +111,7 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer) -
     if params.stop_strings and tokenizer is None:
         raise InvalidArgumentError("stop: stop strings need a tokenizer, and this orchestrator has none")
     rid = session_id_from(msg.request_id, "request_id") if msg.request_id else uuid.uuid4().hex
-    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid)
+    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid, principal)
 
 
 # -- answers ----------------------------------------------------------------------------
@@ -134,7 +136,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
-        job = job_from_pb(request, self.defaults, self.tokenizer)
+        job = job_from_pb(request, self.defaults, self.tokenizer, current_principal())
         tree = tree_params_to_pb(job.params.tree)  # told once, with the first chunk
         async for chunk in orch.astream(job):
             yield chunk_to_pb(chunk, job.request_id, tree)
@@ -142,7 +144,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
-        jobs = [job_from_pb(r, self.defaults, self.tokenizer) for r in request.requests]
+        jobs = [job_from_pb(r, self.defaults, self.tokenizer, current_principal()) for r in request.requests]
         async with asyncio.TaskGroup() as group:  # one failure cancels the rest
             tasks = [group.create_task(collect(orch, job)) for job in jobs]
         return pb.GenerateBatchResponse(results=[t.result() for t in tasks])

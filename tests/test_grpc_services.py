@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from drafter_service.remote import RemoteDrafter
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, session_tag
 from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
 from presto_sd.rpc import wire
@@ -117,7 +117,7 @@ def test_bad_verifier_input_gets_its_code(tiny_target, stack):
         (stub.Prefill, verifier_pb2.VerifierPrefillRequest(session_id="x", token_ids=[1] * 600),
          CODE.RESOURCE_EXHAUSTED, "max_context"),
         (stub.Step, verifier_pb2.StepRequest(session=common_pb2.SessionRef(session_id="nope", base=1)),
-         CODE.NOT_FOUND, "'nope' not found"),
+         CODE.NOT_FOUND, f"{session_tag('anonymous/nope')} not found"),  # a hash, never the id
         (stub.Step, verifier_pb2.StepRequest(session=common_pb2.SessionRef(session_id="bad-v", base=7),
                                              anchor=ok.anchor),
          CODE.FAILED_PRECONDITION, "stale base 7"),
@@ -180,7 +180,7 @@ def test_bad_drafter_input_gets_its_code(stack):
         (stub.Draft, drafter_pb2.DraftRequest(session=common_pb2.SessionRef(session_id="bad-d", base=9)),
          CODE.FAILED_PRECONDITION, "stale base 9"),
         (stub.Draft, drafter_pb2.DraftRequest(session=common_pb2.SessionRef(session_id="zz", base=3)),
-         CODE.NOT_FOUND, "'zz' not found"),
+         CODE.NOT_FOUND, f"{session_tag('anonymous/zz')} not found"),
         (stub.Prefill, drafter_pb2.DrafterPrefillRequest(session_id="p", delta=common_pb2.FeatureDelta(
             start=2, tokens=[1], features=_feats(1, width))), CODE.INVALID_ARGUMENT, "prefill.delta.start"),
     ]
@@ -260,8 +260,10 @@ def stubs(stack):
 @given(data=st.data(), tree=tree_msgs(), tokens=st.lists(st.integers(-1, 17), max_size=4))
 def test_fuzzed_trees_and_tensors_never_crash_a_server(stubs, data, tree, tokens):
     vstub, dstub = stubs
-    pre = vstub.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="fuzz", token_ids=[0, 3]), timeout=10)
-    dstub.Prefill(drafter_pb2.DrafterPrefillRequest(session_id="fuzz", delta=pre.delta), timeout=10)
+    pre = vstub.Prefill(verifier_pb2.VerifierPrefillRequest(
+        session_id="fuzz", token_ids=[0, 3], restart=True), timeout=10)  # each example starts it anew
+    dstub.Prefill(drafter_pb2.DrafterPrefillRequest(session_id="fuzz", delta=pre.delta, restart=True),
+                  timeout=10)
     if tree.tokens and tree.tokens[0] == -1:
         tree.tokens[0] = pre.anchor
     ref = common_pb2.SessionRef(session_id="fuzz", base=2)
@@ -273,7 +275,7 @@ def test_fuzzed_trees_and_tensors_never_crash_a_server(stubs, data, tree, tokens
         (dstub.Draft, drafter_pb2.DraftRequest(session=common_pb2.SessionRef(session_id="fuzz", base=2 + len(
             tokens)), anchor=3, params=common_pb2.TreeParams(method="presto-beam", budget=8))),
         (dstub.Prefill, drafter_pb2.DrafterPrefillRequest(session_id="fuzz2", delta=common_pb2.FeatureDelta(
-            start=0, tokens=tokens, features=features))),
+            start=0, tokens=tokens, features=features), restart=True)),
     ]
     for method, request in calls:
         try:
@@ -298,7 +300,7 @@ def test_delta_features_travel_exactly(stack):
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     feats = torch.randn(3, width)
     assert remote_d.prefill("exact", FeatureDelta(0, (1, 2, 3), feats)) == 3
-    kv = drafter.sessions["exact"].kv
+    kv = drafter.sessions["anonymous/exact"].kv  # keyed by principal
     k_remote = [kv.committed(layer)[0].clone() for layer in range(len(kv.keys))]
     drafter.prefill("exact-local", FeatureDelta(0, (1, 2, 3), feats))
     local = drafter.sessions["exact-local"].kv

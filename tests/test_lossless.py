@@ -78,7 +78,7 @@ class OracleDrafter(Drafter):
     def info(self):
         return DrafterInfo(16, (0, 2), 15, self.vocab, ("oracle",), ())
 
-    def prefill(self, session_id, delta):
+    def prefill(self, session_id, delta, restart=False):
         self.tokens[session_id] = list(delta.tokens)
         return delta.end
 

@@ -176,6 +176,32 @@ def test_token_auth_guards_the_stream(tiny_target, stack):
         rpc_util.run(server.stop(0))
 
 
+def test_request_ids_are_per_principal_and_never_the_engines_session_ids(tiny_target, stack):
+    orch, _, _ = stack
+    servicer = service.OrchestratorServicer()
+    servicer.defaults = service.ServiceDefaults(DEFAULTS)
+    config = ServerConfig(auth_tokens=(("alice", "a-token"), ("bob", "b-token")), drain_s=0.0, grace_s=0.0)
+    server = GrpcServer(config, servicer, service.add_to_server, service.SERVICE_NAME)
+    address = f"127.0.0.1:{rpc_util.run(server.start())}"
+    rpc_util.run(server.attach(orch))
+    alice, bob = (OrchestratorClient(address, ClientConfig(auth_token=t)) for t in ("a-token", "b-token"))
+    try:
+        first = alice.generate([0, 3, 5, 7], max_new_tokens=120, request_id="mine")
+        tokens = list(next(first).tokens)  # alice's "mine" is running
+        job = orch.requests["alice/mine"].job
+        assert job.session_id != "mine" and len(job.session_id) == 32  # minted by the orchestrator
+        # bob's "mine" is another request: it runs beside alice's, and both equal AR
+        theirs, _ = _tokens(bob, [0, 9], max_new_tokens=8, request_id="mine")
+        assert theirs == hf_greedy(tiny_target, [0, 9], 8)
+        for chunk in first:
+            tokens.extend(chunk.tokens)
+        assert tokens == hf_greedy(tiny_target, [0, 3, 5, 7], 120)
+    finally:
+        alice.close()
+        bob.close()
+        rpc_util.run(server.stop(0))
+
+
 def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack):
     orch, client, _ = stack
     prompts = [[0, 3, 5, i] for i in range(4)]

@@ -15,18 +15,22 @@ import pytest
 import ray
 import torch
 
+from drafter_service.remote import RemoteDrafter
 from orchestrator.actors import remote_spec
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.requests import GenerateJob
 from presto_sd.app import cli
+from presto_sd.engine.messages import UnauthenticatedError
 from presto_sd.loop.faults import FaultPolicy
 from presto_sd.loop.generate import GenerationParams
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import HPhi
 from presto_sd.models.loading import eos_token_ids, load_tokenizer
+from presto_sd.rpc.client import ClientConfig
 from tests.conftest import hf_greedy, tiny_drafter_model, tiny_llama
 from tests.orchestrator_util import alive, descendants, spawn_server
 from tests.rpc_util import wait_for
+from verifier_service.remote import RemoteVerifier
 
 FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=30.0, verifier_retry_s=0.05)
 
@@ -54,11 +58,15 @@ def _generate_json(capsys, *args: str) -> dict:
 
 # runs first: no Ray in this process yet, so `up` starts (and stops) a Ray of its own
 def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
+    """With ``--auth-token-file`` (two principals), and its engines refusing any other token."""
     path, _, _ = tiny_dir
     log = open(tmp_path / "up.log", "w")
+    (tmp_path / "tokens").write_text("alice:a-token\nbob:b-token\n")
+    (tmp_path / "alice").write_text("alice:a-token\n")
     up = subprocess.Popen(
         [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--target", str(path), "--drafter",
-         "random", "--threads", "1", "--drain-s", "0", "--grace-s", "1"],
+         "random", "--threads", "1", "--drain-s", "0", "--grace-s", "1",
+         "--auth-token-file", str(tmp_path / "tokens")],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )
     try:
@@ -69,7 +77,17 @@ def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
         common = ["Name three colors.", "--target", str(path), "--drafter", "random", "--method", "marginal",
                   "--budget", "8", "--max-new-tokens", "24"]
         embedded = _generate_json(capsys, *common)
-        through = _generate_json(capsys, *common, "--orchestrator-addr", event["orchestrator"])
+        through = _generate_json(capsys, *common, "--orchestrator-addr", event["orchestrator"],
+                                 "--auth-token-file", str(tmp_path / "alice"))
+        for config in (ClientConfig(), ClientConfig(auth_token="a-token")):  # the engines: only up's own
+            with pytest.raises(UnauthenticatedError):
+                RemoteVerifier(event["verifier"], config).info()
+            with pytest.raises(UnauthenticatedError):
+                RemoteDrafter(event["drafter"], config).info()
+        lines = (tmp_path / "up.log").read_text().splitlines()
+        budgets = [json.loads(x) for x in lines if '"kv_budget"' in x]
+        assert {b["engine"] for b in budgets} == {"verifier", "drafter"}  # each logs its KV budget
+        assert all(b["budget_bytes"] > 0 and "MemAvailable" in b["rule"] for b in budgets)
         assert through["token_ids"] == embedded["token_ids"] and through["text"] == embedded["text"]
         assert through.keys() == embedded.keys() and through["drafter"] == "random"
         assert through["finish_reason"] == embedded["finish_reason"]

@@ -12,6 +12,7 @@ from presto_sd.engine.messages import (
     LimitExceededError,
     SessionNotFoundError,
     StaleBaseError,
+    session_tag,
 )
 from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.tree import TokenTree
@@ -148,7 +149,7 @@ def test_empty_tree_and_prompt_are_refused(tiny_target):
 
 def test_unknown_session_and_stale_base(tiny_target):
     v = HFVerifier(tiny_target, (0, 2))
-    with pytest.raises(SessionNotFoundError, match="nope"):
+    with pytest.raises(SessionNotFoundError, match=session_tag("nope")):  # a hash, not the id
         v.step("nope", 0, 0)
     pre = v.prefill("s", PROMPT)
     with pytest.raises(StaleBaseError, match="stale base 3"):

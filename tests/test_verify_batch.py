@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -17,6 +20,7 @@ from presto_sd.engine.messages import (
     SessionNotFoundError,
     StaleBaseError,
     VerifierUnavailableError,
+    session_tag,
 )
 from presto_sd.engine.verifier import VerifierLimits, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
@@ -290,7 +294,10 @@ def test_verify_batch_over_grpc_equals_in_process(tiny_target):
                 assert_same(res, ref)
             assert [type(e) for e in got[3:]] == [type(e) for e in want[3:]] == [
                 InvalidArgumentError, SessionNotFoundError, InvalidArgumentError]
-            assert [str(e) for e in got[3:]] == [str(e) for e in want[3:]]
+            # the same messages, but for the tag: over gRPC a session is keyed by its principal
+            tags = {session_tag(f"anonymous/{sid}"): session_tag(sid) for sid in ("s0", "nope")}
+            assert [functools.reduce(lambda t, kv: t.replace(*kv), tags.items(), str(e))
+                    for e in got[3:]] == [str(e) for e in want[3:]]
         server.stop()
         down = remote.verify_batch(calls[:2])  # the whole call failed: every item's error
         assert len(down) == 2 and all(isinstance(e, VerifierUnavailableError) for e in down)
@@ -335,9 +342,10 @@ def test_draft_batch_over_grpc_equals_in_process(tiny_target):
             calls.append(DraftCall(f"r{i}", pre.anchor, pre.base, params))
         bad = [DraftCall("r0", calls[0].anchor, calls[0].base + 1, calls[0].params),  # again, and stale
                DraftCall("nope", 1, 3, calls[0].params)]
-        got, want = remote.draft_batch(calls + bad), served.draft_batch(calls + bad)
-        assert [r.tree for r in got[:3]] == [r.tree for r in want[:3]]
-        assert [(type(e), str(e)) for e in got[3:]] == [(type(e), str(e)) for e in want[3:]]
+        got = remote.draft_batch(calls + bad)
+        # the server keys sessions by principal (docs/services.md): the same calls in process
+        want = served.draft_batch([replace(c, session_id=f"anonymous/{c.session_id}") for c in calls])
+        assert [r.tree for r in got[:3]] == [r.tree for r in want]
         assert type(got[3]) is InvalidArgumentError and type(got[4]) is SessionNotFoundError
         server.stop()
         down = remote.draft_batch(calls[:2])  # the whole call failed: every item's error

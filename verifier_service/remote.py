@@ -53,9 +53,11 @@ class RemoteVerifier(Verifier):
         token_ids: list[int],
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
+        restart: bool = False,
     ) -> PrefillResult:
         request = verifier_pb2.VerifierPrefillRequest(
-            session_id=session_id, token_ids=token_ids, sampling=sampling_to_pb(sampling), anchor=anchor
+            session_id=session_id, token_ids=token_ids, sampling=sampling_to_pb(sampling), anchor=anchor,
+            restart=restart,
         )
         return wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
 

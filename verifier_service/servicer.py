@@ -1,9 +1,13 @@
 """``VerifierService`` over gRPC: thin ``from_pb -> engine -> to_pb`` adapters.
 
 Errors become status codes in the server's one interceptor (``presto_sd.rpc.server``).
+Session ids are keyed by the caller's principal (``EngineHost.session_key``); a call
+whose response could pass the message limit is refused before it runs (``wire``'s bounds).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import grpc
 
@@ -11,6 +15,7 @@ from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.engine.messages import EngineError
 from presto_sd.engine.verifier import VerifyCall
 from presto_sd.method.acceptance import SamplingParams
+from presto_sd.method.tree import TokenTree
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import sampling_from_pb, session_id_from, session_ref_from_pb, tree_from_pb
 from verifier_service import wire
@@ -23,33 +28,45 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
     def __init__(self) -> None:
         EngineHost.__init__(self, "verifier")
 
+    def _row_bytes(self) -> int:
+        return self.ready().feature_row_bytes
+
     async def Prefill(self, request, context: grpc.aio.ServicerContext):
-        sid = session_id_from(request.session_id)
+        sid = self.session_key(session_id_from(request.session_id))
         sampling = sampling_from_pb(request.sampling) if request.HasField("sampling") else SamplingParams()
         anchor = request.anchor if request.HasField("anchor") else None
-        res = await self.run(context, "prefill", sid, list(request.token_ids), sampling, anchor)
+        tokens = list(request.token_ids)
+        self.check_response(wire.prefill_response_bound(len(tokens), self._row_bytes()), "prefill")
+        res = await self.run_steps(context, "prefill_steps", sid, tokens, sampling, anchor, request.restart)
         return wire.prefill_result_to_pb(res)
 
     async def Verify(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
-        tree = tree_from_pb(request.tree)
-        res = await self.run(context, "verify", sid, base, tree, request.want_node_probs)
+        call = VerifyCall(self.session_key(sid), base, tree_from_pb(request.tree), request.want_node_probs)
+        self.check_response(wire.verify_response_bound(call, self._row_bytes()), "verify")
+        res = await self.run(context, "verify", call.session_id, base, call.tree, call.want_node_probs)
         return wire.verify_result_to_pb(res)
 
     async def VerifyBatch(self, request, context: grpc.aio.ServicerContext):
-        items = wire.verify_calls_from_pb(request)  # a malformed item: its own error
+        items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
+                 for c in wire.verify_calls_from_pb(request)]  # a malformed item: its own error
         calls = [c for c in items if isinstance(c, VerifyCall)]
+        row = self._row_bytes()
+        bound = sum(wire.verify_response_bound(c, row) for c in calls)
+        self.check_response(bound + wire.ITEM_ERROR_BOUND * len(items), "verify_batch")
         results = iter(await self.run(context, "verify_batch", calls))
         return wire.verify_batch_to_pb([c if isinstance(c, EngineError) else next(results) for c in items])
 
     async def Step(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
-        return wire.verify_result_to_pb(await self.run(context, "step", sid, base, request.anchor))
+        step = VerifyCall(self.session_key(sid), base, TokenTree.root_only(request.anchor))
+        self.check_response(wire.verify_response_bound(step, self._row_bytes()), "step")
+        res = await self.run(context, "step", step.session_id, base, request.anchor)
+        return wire.verify_result_to_pb(res)
 
     async def Close(self, request, context: grpc.aio.ServicerContext):
-        await self.run(context, "close", session_id_from(request.session_id))
+        await self.run(context, "close", self.session_key(session_id_from(request.session_id)))
         return common_pb2.CloseResponse()
 
     async def Info(self, request, context: grpc.aio.ServicerContext):
         return wire.info_to_pb(self.ready().info())
-

@@ -20,6 +20,8 @@ from presto_sd.rpc.wire import (
     cost_to_pb,
     delta_from_pb,
     delta_to_pb,
+    memory_from_pb,
+    memory_to_pb,
     session_ref_from_pb,
     session_ref_to_pb,
     tensor_from_pb,
@@ -27,6 +29,29 @@ from presto_sd.rpc.wire import (
     tree_from_pb,
     tree_to_pb,
 )
+
+# -- the most bytes a response can take, known before the call runs ---------------------
+_VARINT = 11  # a field's tag + the longest varint of an int32 / int64 value
+_MESSAGE = 64  # a (sub)message's tag and length, a tensor's dtype name and shape
+
+
+def delta_bound(rows: int, row_bytes: int) -> int:
+    """A ``FeatureDelta`` of ``rows`` tokens with feature rows of ``row_bytes``."""
+    return rows * (row_bytes + _VARINT) + 4 * _MESSAGE
+
+
+def prefill_response_bound(tokens: int, row_bytes: int) -> int:
+    return delta_bound(tokens, row_bytes) + 2 * _VARINT + _MESSAGE
+
+
+def verify_response_bound(c: VerifyCall, row_bytes: int) -> int:
+    """The accepted path has at most ``min(depth, nodes - 1) + 1`` nodes; ``node_probs`` 4 B a node."""
+    rows = min(c.tree.max_depth, len(c.tree.tokens) - 1) + 1
+    probs = 4 * len(c.tree.tokens) + _MESSAGE if c.want_node_probs else 0
+    return delta_bound(rows, row_bytes) + 2 * rows * _VARINT + probs + 2 * _VARINT + _MESSAGE
+
+
+ITEM_ERROR_BOUND = 4096  # one VerifyBatch item's error: its code name and message
 
 
 def prefill_result_to_pb(r: PrefillResult) -> pb.VerifierPrefillResponse:
@@ -113,7 +138,7 @@ def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:
     return pb.VerifierInfo(
         model=i.model, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
         eos_token_ids=i.eos_token_ids, target_layer_ids=i.target_layer_ids, limits=limits,
-        cost=cost_to_pb(i.cost),
+        cost=cost_to_pb(i.cost), memory=memory_to_pb(i.memory),
     )
 
 
@@ -124,5 +149,5 @@ def info_from_pb(msg: pb.VerifierInfo) -> VerifierInfo:
         model=msg.model, dtype=msg.dtype, device=msg.device, vocab_size=msg.vocab_size,
         eos_token_ids=tuple(msg.eos_token_ids), target_layer_ids=tuple(msg.target_layer_ids),
         limits=VerifierLimits(lim.max_sessions, lim.max_context, tree),
-        cost=cost_from_pb(msg.cost) if msg.HasField("cost") else None,
+        cost=cost_from_pb(msg.cost) if msg.HasField("cost") else None, memory=memory_from_pb(msg.memory),
     )

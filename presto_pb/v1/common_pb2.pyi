@@ -135,3 +135,13 @@ class ItemError(_message.Message):
     code: str
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class KVMemory(_message.Message):
+    __slots__ = ("bytes_per_token", "budget_bytes", "in_use_bytes")
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes_per_token: int
+    budget_bytes: int
+    in_use_bytes: int
+    def __init__(self, bytes_per_token: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ...) -> None: ...

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "delta")
+    __slots__ = ("session_id", "delta", "restart")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     delta: _common_pb2.FeatureDelta
-    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.FeatureDelta, _Mapping]] = ...) -> None: ...
+    restart: bool
+    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.FeatureDelta, _Mapping]] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class DrafterPrefillResponse(_message.Message):
     __slots__ = ("base",)
@@ -96,7 +98,7 @@ class CommitResponse(_message.Message):
     def __init__(self, base: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("block_size", "target_layer_ids", "mask_token_id", "vocab_size", "methods", "rho_providers", "name", "default_rho", "default_lambdas", "max_sessions", "lambdas_by_rho")
+    __slots__ = ("block_size", "target_layer_ids", "mask_token_id", "vocab_size", "methods", "rho_providers", "name", "default_rho", "default_lambdas", "max_sessions", "lambdas_by_rho", "memory")
     class LambdasByRhoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +117,7 @@ class DrafterInfo(_message.Message):
     DEFAULT_LAMBDAS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LAMBDAS_BY_RHO_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     mask_token_id: int
@@ -126,7 +129,8 @@ class DrafterInfo(_message.Message):
     default_lambdas: _containers.RepeatedScalarFieldContainer[float]
     max_sessions: int
     lambdas_by_rho: _containers.MessageMap[str, Lambdas]
-    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ..., rho_providers: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., default_rho: _Optional[str] = ..., default_lambdas: _Optional[_Iterable[float]] = ..., max_sessions: _Optional[int] = ..., lambdas_by_rho: _Optional[_Mapping[str, Lambdas]] = ...) -> None: ...
+    memory: _common_pb2.KVMemory
+    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ..., rho_providers: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., default_rho: _Optional[str] = ..., default_lambdas: _Optional[_Iterable[float]] = ..., max_sessions: _Optional[int] = ..., lambdas_by_rho: _Optional[_Mapping[str, Lambdas]] = ..., memory: _Optional[_Union[_common_pb2.KVMemory, _Mapping]] = ...) -> None: ...
 
 class Lambdas(_message.Message):
     __slots__ = ("values",)

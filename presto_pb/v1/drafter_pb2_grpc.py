@@ -71,7 +71,8 @@ class DrafterServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Open (or reopen) a session from the prompt's features (delta.start = 0).
+        """Open a session from the prompt's features (delta.start = 0); `restart` replaces the
+        caller's open session of that id (without it an open id is ALREADY_EXISTS).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

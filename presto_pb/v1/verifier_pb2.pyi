@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "anchor")
+    __slots__ = ("session_id", "token_ids", "sampling", "anchor", "restart")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     anchor: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., anchor: _Optional[int] = ...) -> None: ...
+    restart: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., anchor: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("anchor", "delta", "base")
@@ -104,7 +106,7 @@ class VerifierLimits(_message.Message):
     def __init__(self, max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits", "cost")
+    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits", "cost", "memory")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class VerifierInfo(_message.Message):
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -121,4 +124,5 @@ class VerifierInfo(_message.Message):
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     limits: VerifierLimits
     cost: _common_pb2.CostFit
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ..., cost: _Optional[_Union[_common_pb2.CostFit, _Mapping]] = ...) -> None: ...
+    memory: _common_pb2.KVMemory
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ..., cost: _Optional[_Union[_common_pb2.CostFit, _Mapping]] = ..., memory: _Optional[_Union[_common_pb2.KVMemory, _Mapping]] = ...) -> None: ...

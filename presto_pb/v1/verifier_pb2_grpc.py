@@ -71,8 +71,10 @@ class VerifierServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Open (or reopen) a session on a prompt. With `anchor` (re-prefill after a verifier
+        """Open a session on a prompt (`restart`: replace the caller's open session of that id;
+        without it an open id is ALREADY_EXISTS). With `anchor` (re-prefill after a verifier
         restart) that already-emitted token becomes the pending anchor instead of a new draw.
+        A long prompt runs in chunks; other sessions' calls run between them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

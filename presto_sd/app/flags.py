@@ -96,7 +96,8 @@ def add_serving_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certs it signed (mTLS)")
     g.add_argument("--auth-token-file", default=None,
-                   help="clients must send 'authorization: Bearer <the file's token>'")
+                   help="clients must send 'authorization: Bearer <token>' of one of the file's lines, "
+                        "each 'name:token' (a principal: sessions are its own) or one bare token")
 
 
 def add_drain_args(g: argparse._ArgumentGroup) -> None:
@@ -108,13 +109,14 @@ def add_drain_args(g: argparse._ArgumentGroup) -> None:
 
 def server_config(args: argparse.Namespace):
     """The ``ServerConfig`` of a serving command's flags (those it lacks keep their defaults)."""
-    from presto_sd.rpc.client import read_token
+    from presto_sd.rpc.principals import read_tokens
     from presto_sd.rpc.server import ServerConfig
 
     extra = {k: getattr(args, k) for k in ("session_ttl_s", "max_message_mb") if hasattr(args, k)}
+    token_file = getattr(args, "auth_token_file", None)
     return ServerConfig(
         host=args.host, port=args.port, tls_cert=getattr(args, "tls_cert", None),
         tls_key=getattr(args, "tls_key", None), tls_client_ca=getattr(args, "tls_client_ca", None),
-        auth_token=read_token(getattr(args, "auth_token_file", None)),
+        auth_tokens=read_tokens(token_file) if token_file else (),
         drain_s=args.drain_s, grace_s=args.grace_s, **extra,
     )

@@ -40,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--session-ttl-s", type=float, default=600.0,
                        help="close sessions idle this long (default: %(default)s)")
         p.add_argument("--max-message-mb", type=int, default=512, help="(default: %(default)s)")
+        p.add_argument("--max-kv-gb", type=float, default=None,
+                       help="the sessions' KV bytes, all together; a call past it is RESOURCE_EXHAUSTED "
+                            "(default: 40%% of the memory free after loading, logged)")
+        if name == "verifier":
+            p.add_argument("--prefill-chunk", type=int, default=512,
+                           help="tokens per prefill forward; other sessions' calls run between chunks "
+                                "(default: %(default)s)")
         add_drain_args(p)
         p.set_defaults(run=run_engine)
     p = ssub.add_parser("orchestrator", help="serve generation over drafter/verifier replicas (Ray)",
@@ -63,7 +70,8 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
         e.add_argument("--drafter-gpus", type=float, default=0.0, help="GPUs per in-process drafter actor")
         e.add_argument("--verifier-gpus", type=float, default=0.0, help="GPUs per in-process verifier actor")
         add_client_args(e, "engine-", "the engine servers")
-        add_serving_args(p.add_argument_group("serving (as presto-sd serve verifier)"))
+    # up: the orchestrator's TLS and tokens; its engines then want a token only it holds
+    add_serving_args(p.add_argument_group("serving (as presto-sd serve verifier)"))
     r = p.add_argument_group("ray and scheduling")
     if not up:
         r.add_argument("--ray-address", default=None,
@@ -83,6 +91,7 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
 def run_engine(args: argparse.Namespace) -> int:
     """``serve drafter|verifier``: the engine loads while the server answers UNAVAILABLE."""
     import asyncio
+    import functools
     import logging
 
     import torch
@@ -97,16 +106,20 @@ def run_engine(args: argparse.Namespace) -> int:
     if args.service == "verifier":
         from verifier_service import servicer as svc
 
+        if args.prefill_chunk < 1:
+            raise SystemExit(f"presto-sd serve verifier: --prefill-chunk {args.prefill_chunk}: must be >= 1")
         servicer: Any = svc.VerifierServicer()
-        load = load_verifier
+        load = functools.partial(load_verifier, prefill_chunk=args.prefill_chunk)
     else:
         from drafter_service import servicer as svc
 
         servicer = svc.DrafterServicer()
         load = load_drafter
+    if args.max_kv_gb is not None and args.max_kv_gb <= 0:
+        raise SystemExit(f"presto-sd serve {args.service}: --max-kv-gb {args.max_kv_gb}: must be > 0")
 
     def loader():
-        return load(args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype))
+        return load(args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype), args.max_kv_gb)
 
     server = GrpcServer(server_config(args), servicer, svc.add_to_server, svc.SERVICE_NAME)
     asyncio.run(serve_until_signal(server, loader))

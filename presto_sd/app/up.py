@@ -2,17 +2,25 @@
 
     presto-sd up [--port 50050]                      # verifier + drafter servers + orchestrator
     presto-sd generate "PROMPT" --orchestrator-addr 127.0.0.1:50050 [--json]
+
+With ``--auth-token-file`` the engine servers want a token too: a fresh one, that only
+this ``up``'s orchestrator holds (a 0600 file in a private temp dir, removed on exit).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from presto_sd.app.serve import add_orchestrator_args, serve_orchestrator
 
@@ -29,10 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 class _Child:
     """A server subprocess; its stderr is passed through, its JSON events are watched."""
 
-    def __init__(self, kind: str, args: argparse.Namespace, echo: bool = True) -> None:
+    def __init__(self, kind: str, args: argparse.Namespace, token_file: str | None = None,
+                 echo: bool = True) -> None:
         cmd = [sys.executable, "-m", "presto_sd.app.cli", "serve", kind, "--port", "0",
                "--drain-s", str(args.drain_s), "--grace-s", str(args.grace_s)]
-        passed = (("--target", args.target), ("--drafter", args.drafter), ("--threads", args.threads))
+        passed = (("--target", args.target), ("--drafter", args.drafter), ("--threads", args.threads),
+                  ("--auth-token-file", token_file))
         for flag, value in passed:
             if value is not None:
                 cmd += [flag, str(value)]
@@ -86,15 +96,27 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
+def _engine_token_file(folder: Path) -> str:
+    """A token for the engines `up` starts, known only to its orchestrator (principal ``orchestrator``)."""
+    path = folder / "engines.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"orchestrator:{secrets.token_urlsafe(32)}\n")
+    return str(path)
+
+
 def run_up(args: argparse.Namespace) -> int:
-    children = [_Child(kind, args) for kind in ("verifier", "drafter")]
+    folder = tempfile.mkdtemp(prefix="presto-sd-up-")  # mode 0700
+    engine_token = _engine_token_file(Path(folder)) if args.auth_token_file else None
+    children = [_Child(kind, args, engine_token) for kind in ("verifier", "drafter")]
     try:
         ports = {c.kind: c.wait_for("listening", 600)["port"] for c in children}
         for c in children:
             c.wait_for("serving", 600)
         args.verifier_addr, args.drafter_addr = (f"127.0.0.1:{ports[k]}" for k in ("verifier", "drafter"))
         args.engine_tls_ca = args.engine_tls_client_cert = args.engine_tls_client_key = None
-        args.engine_tls_server_name = args.engine_auth_token_file = None
+        args.engine_tls_server_name = None
+        args.engine_auth_token_file = engine_token
 
         def announce(port: int) -> None:
             print(json.dumps({"event": "up", "orchestrator": f"{args.host}:{port}",
@@ -107,3 +129,4 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         for c in children:
             c.stop(args.drain_s + args.grace_s + 10)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,7 +1,8 @@
 """``DFlashDrafter``: the in-process drafter engine over a ``DFlashDraftModel``.
 
 Per session it keeps the context K/V of every draft layer, extended by each round's
-feature delta, plus an online n-gram of the request's tokens for the n-gram rho.
+feature delta, plus an online n-gram of the request's tokens for the n-gram rho. Those
+K/V bytes are admitted against the session table's budget before they are computed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from presto_sd.embedded.memory import kv_bytes_per_token
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
 from presto_sd.engine.messages import (
     EngineError,
@@ -19,6 +21,7 @@ from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
     check_base,
+    session_tag,
 )
 from presto_sd.engine.sessions import SessionTable
 from presto_sd.method.builders import TreeParams, build_tree
@@ -48,6 +51,10 @@ class _DraftSession:
     def base(self) -> int:
         return len(self.tokens)
 
+    @property
+    def positions(self) -> int:  # context K/V positions cached
+        return len(self.tokens)
+
 
 class DFlashDrafter(Drafter):
     def __init__(
@@ -61,6 +68,7 @@ class DFlashDrafter(Drafter):
         max_budget: int = 1024,  # draft nodes per tree: bounds the tree building work
         name: str = "",  # what Info calls it: the drafter directory, or "random"
         defaults: DrafterDefaults | None = None,  # the PRESTO settings fitted for it (presto.json)
+        max_kv_bytes: int | None = None,  # the sessions' context K/V budget (None: no budget)
     ) -> None:
         c = model.config
         if embed_tokens.shape[1] != c.hidden_size or lm_head.shape[1] != c.hidden_size:
@@ -91,7 +99,10 @@ class DFlashDrafter(Drafter):
         self.name, self.defaults = name, defaults or DrafterDefaults()
         self.max_context = max_context
         self.max_budget = max_budget
-        self.sessions: SessionTable[_DraftSession] = SessionTable("drafter", max_sessions)
+        per_token = kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                       model.fc.weight.dtype)
+        self.sessions: SessionTable[_DraftSession] = SessionTable("drafter", max_sessions, per_token,
+                                                                  max_kv_bytes)
 
     @property
     def config(self):
@@ -109,6 +120,7 @@ class DFlashDrafter(Drafter):
             name=self.name,
             defaults=self.defaults,
             max_sessions=self.max_sessions,
+            memory=self.sessions.memory(),
         )
 
     def close(self, session_id: str) -> None:
@@ -139,19 +151,22 @@ class DFlashDrafter(Drafter):
         return self.model.context_kv(feats, positions)
 
     @torch.inference_mode()  # the session's buffers are inference tensors: every write in this mode
-    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
+    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
         if delta.start != 0:
             raise InvalidArgumentError(f"prefill.delta.start = {delta.start}: must be 0")
         if not delta.tokens:
             raise InvalidArgumentError("prefill.delta: empty prompt")
         self._check_delta(delta)
-        self.sessions.check_room(session_id)
-        ngram = NGramModel(order=3, vocab_size=self.vocab_size)
-        ngram.update(list(delta.tokens))
-        kv = self.model.session_kv(self.lm_head.device)
-        kv.append(self._context_kv(delta))
-        session = _DraftSession(kv, list(delta.tokens), ngram)
-        self.sessions.open(session_id, session)
+        seat = self.sessions.seat(session_id, len(delta.tokens), restart)
+        try:
+            ngram = NGramModel(order=3, vocab_size=self.vocab_size)
+            ngram.update(list(delta.tokens))
+            kv = self.model.session_kv(self.lm_head.device)
+            kv.append(self._context_kv(delta))
+            session = _DraftSession(kv, list(delta.tokens), ngram)
+            self.sessions.open(seat, session)
+        finally:
+            self.sessions.release(seat)
         return session.base
 
     @torch.inference_mode()
@@ -161,6 +176,7 @@ class DFlashDrafter(Drafter):
         if not delta.tokens:
             raise InvalidArgumentError("commit.delta.tokens: empty (a round commits at least its anchor)")
         self._check_delta(delta)
+        self.sessions.admit(len(delta.tokens), f"a commit of {len(delta.tokens)} tokens")
         s.kv.append(self._context_kv(delta))
         s.ngram.update(list(delta.tokens), history=s.tokens)
         s.tokens.extend(delta.tokens)
@@ -211,7 +227,8 @@ class DFlashDrafter(Drafter):
             try:
                 if c.session_id in seen:
                     raise InvalidArgumentError(
-                        f"draft_batch.calls[{j}]: session {c.session_id!r} is already in this batch")
+                        f"draft_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
+                        "this batch")
                 seen.add(c.session_id)
                 todo.append((j, *self._check_draft(c)))
             except EngineError as e:

@@ -6,24 +6,31 @@ session's own KV buffers, in place (``session_kv``). A tree node sees the commit
 and its own ancestors, at position ``base + depth``. After the walk the session keeps
 exactly the accepted path, which equals the KV that AR decoding of the same tokens
 produces (tests hold this).
+
+A long prompt is prefilled in chunks of ``prefill_chunk`` tokens, each a forward after
+the positions the earlier ones committed (as AR decoding builds them); ``prefill_steps``
+yields between chunks, so a server runs other sessions' calls in between. KV bytes are
+admitted against the session table's budget before a forward allocates them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from presto_sd.embedded.cost_calibration import calibrate_verify_cost
+from presto_sd.embedded.memory import target_kv_bytes_per_token
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
     check_base,
+    session_tag,
 )
 from presto_sd.engine.sessions import SessionTable
 from presto_sd.engine.verifier import (
@@ -58,6 +65,10 @@ class _Session:
     def base(self) -> int:
         return len(self.tokens) - 1
 
+    @property
+    def positions(self) -> int:  # KV positions cached: every committed token but the anchor
+        return self.base
+
 
 class HFVerifier(Verifier):
     def __init__(
@@ -67,7 +78,11 @@ class HFVerifier(Verifier):
         limits: VerifierLimits = VerifierLimits(),
         eos_token_ids: tuple[int, ...] = (),
         name: str = "",
+        max_kv_bytes: int | None = None,  # the sessions' KV budget (None: no budget)
+        prefill_chunk: int = 512,  # tokens per prefill forward
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -85,7 +100,13 @@ class HFVerifier(Verifier):
         )
         self.eos_token_ids = tuple(eos_token_ids)
         self.name = name or model.config.name_or_path
-        self.sessions: SessionTable[_Session] = SessionTable("verifier", self.limits.max_sessions)
+        self.prefill_chunk = prefill_chunk
+        self.sessions: SessionTable[_Session] = SessionTable(
+            "verifier", self.limits.max_sessions, target_kv_bytes_per_token(model.config, model.dtype),
+            max_kv_bytes,
+        )
+        # one position's feature row: the response size of a prefill or verify follows from it
+        self.feature_row_bytes = len(self.target_layer_ids) * model.config.hidden_size * model.dtype.itemsize
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
 
@@ -103,6 +124,7 @@ class HFVerifier(Verifier):
             target_layer_ids=self.target_layer_ids,
             limits=self.limits,
             cost=self.forward_costs.fit,
+            memory=self.sessions.memory(),
         )
 
     def calibrate_cost(self) -> CostFit:
@@ -139,14 +161,36 @@ class HFVerifier(Verifier):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    @torch.inference_mode()
     def prefill(
         self,
         session_id: str,
         token_ids: list[int],
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
+        restart: bool = False,
     ) -> PrefillResult:
+        steps = self.prefill_steps(session_id, token_ids, sampling, anchor, restart)
+        while True:  # every chunk at once
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def prefill_steps(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams = SamplingParams(),
+        anchor: int | None = None,
+        restart: bool = False,
+    ) -> Generator[None, None, PrefillResult]:
+        """``prefill``, one chunk a step: it yields between chunks and returns the result.
+
+        Checks and the seat (session cap, KV budget, ALREADY_EXISTS) come before the first
+        forward; the session opens only after the last chunk, so a generator closed early
+        (a deadline, a cancelled call) leaves the table as it was.
+        """
         if not token_ids:
             raise InvalidArgumentError("prefill.token_ids: empty prompt")
         bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
@@ -157,17 +201,26 @@ class HFVerifier(Verifier):
             raise LimitExceededError(
                 f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
             )
-        self.sessions.check_room(session_id)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        kv = SessionKV.for_model(self.model)
-        hidden, feats = self._forward([Segment(kv, 0, len(token_ids))], token_ids, range(len(token_ids)))
-        if anchor is None:
-            anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
-        kv.keep(range(len(token_ids)))
-        session = _Session(kv, [*token_ids, anchor], sampling, generator)
-        self.sessions.open(session_id, session)
-        delta = FeatureDelta(0, tuple(token_ids), feats)
+        seat = self.sessions.seat(session_id, len(token_ids), restart)
+        try:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            kv, feats = SessionKV.for_model(self.model), []
+            for start in range(0, len(token_ids), self.prefill_chunk):
+                if start:
+                    yield  # between chunks: the engine may run other sessions' calls
+                chunk = token_ids[start : start + self.prefill_chunk]
+                positions = range(start, start + len(chunk))
+                hidden, f = self._forward([Segment(kv, 0, len(chunk))], chunk, positions)
+                kv.keep(range(len(chunk)))
+                feats.append(f)
+            if anchor is None:
+                anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
+            session = _Session(kv, [*token_ids, anchor], sampling, generator)
+            delta = FeatureDelta(0, tuple(token_ids), torch.cat(feats) if len(feats) > 1 else feats[0])
+            self.sessions.open(seat, session)
+        finally:
+            self.sessions.release(seat)
         return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
 
     @torch.inference_mode()
@@ -175,6 +228,7 @@ class HFVerifier(Verifier):
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
         s = self._check(session_id, base, tree)
+        self.sessions.admit(len(tree.tokens), f"a verify of {len(tree.tokens)} nodes")
         return self._verify([(s, VerifyCall(session_id, base, tree, want_node_probs))])[0]
 
     @torch.inference_mode()
@@ -185,7 +239,8 @@ class HFVerifier(Verifier):
         the second time (INVALID_ARGUMENT); a refused call gets its error in its slot and
         stays out of the forward, its session untouched. Each session then walks its own
         nodes with its own generator (so draws are those of sequential ``verify``) and
-        keeps its accepted path. A failure anywhere leaves every session at its base.
+        keeps its accepted path. Each call's nodes are admitted against the KV budget as
+        it is checked. A failure anywhere leaves every session at its base.
         """
         out: list[VerifyResult | EngineError | None] = [None] * len(calls)
         todo: list[tuple[int, _Session]] = []
@@ -194,10 +249,13 @@ class HFVerifier(Verifier):
             try:
                 if c.session_id in seen:
                     raise InvalidArgumentError(
-                        f"verify_batch.calls[{j}]: session {c.session_id!r} is already in this batch"
+                        f"verify_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
+                        "this batch"
                     )
                 seen.add(c.session_id)
-                todo.append((j, self._check(c.session_id, c.base, c.tree)))
+                s = self._check(c.session_id, c.base, c.tree)
+                self.sessions.admit(len(c.tree.tokens), f"a verify of {len(c.tree.tokens)} nodes")
+                todo.append((j, s))
             except EngineError as e:
                 out[j] = e
         if todo:

@@ -8,6 +8,8 @@ in-process replicas all call these. What the drafter directory holds is read by
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from presto_sd.embedded.dflash_drafter import DFlashDrafter
 from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.embedded.memory import kv_budget
 from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import HPhi, LearnedRho, NGramRho, RhoProvider
@@ -29,6 +32,7 @@ from presto_sd.models.loading import (
 )
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger("presto_sd.embedded")
 
 
 @dataclass
@@ -66,28 +70,47 @@ def drafter_engine(model: PreTrainedModel, assets: DrafterAssets, max_sessions: 
 
 def verifier_engine(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, target: str | None, assets: DrafterAssets,
-    limits: VerifierLimits = VerifierLimits(),
+    limits: VerifierLimits = VerifierLimits(), prefill_chunk: int = 512,
 ) -> HFVerifier:
     """The target emitting the features the drafter was trained on (its ``target_layer_ids``)."""
     config = assets.config or random_drafter_config(model.config)
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
-                      eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME)
+                      eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
+                      prefill_chunk=prefill_chunk)
+
+
+def _budget(engine: DFlashDrafter | HFVerifier, kind: str, device: torch.device,
+            max_kv_gb: float | None) -> None:
+    """Give a loaded engine its KV budget (``--max-kv-gb``, else the machine's share), and log it."""
+    budget = kv_budget(device, max_kv_gb)
+    engine.sessions.budget_bytes = budget.nbytes
+    log.info(json.dumps({"event": "kv_budget", "engine": kind, "budget_bytes": budget.nbytes,
+                         "bytes_per_token": engine.sessions.bytes_per_token, "rule": budget.rule}))
 
 
 def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 256,
-                 dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """The drafter alone: the target's embeddings and lm_head, the rest of the target dropped."""
+                 dtype: torch.dtype | None = None, max_kv_gb: float | None = None) -> DFlashDrafter:
+    """The drafter alone: the target's embeddings and lm_head, the rest of the target dropped.
+
+    Its sessions' K/V get a budget: ``max_kv_gb``, else a share of the free memory (``memory``).
+    """
     model, _ = load_target(target, dtype=dtype)
-    return drafter_engine(model, drafter_assets(target, drafter), max_sessions)
+    engine = drafter_engine(model, drafter_assets(target, drafter), max_sessions)
+    del model
+    _budget(engine, "drafter", engine.lm_head.device, max_kv_gb)
+    return engine
 
 
 def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
-                  dtype: torch.dtype | None = None) -> HFVerifier:
-    """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS."""
+                  dtype: torch.dtype | None = None, max_kv_gb: float | None = None,
+                  prefill_chunk: int = 512) -> HFVerifier:
+    """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS, its
+    sessions' KV given a budget (``max_kv_gb``, else a share of the free memory: ``memory``)."""
     model, tok = load_target(target, dtype=dtype)
     verifier = verifier_engine(model, tok, target, drafter_assets(target, drafter),
-                               VerifierLimits(max_sessions=max_sessions))
+                               VerifierLimits(max_sessions=max_sessions), prefill_chunk)
     verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
+    _budget(verifier, "verifier", verifier.device, max_kv_gb)
     return verifier
 
 

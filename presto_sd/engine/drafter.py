@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from presto_sd.engine.messages import EngineError, FeatureDelta
+from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
@@ -28,6 +29,7 @@ class DrafterInfo:
     name: str = ""
     defaults: DrafterDefaults = field(default_factory=DrafterDefaults)  # fitted PRESTO settings, if shipped
     max_sessions: int = 0  # 0: not stated
+    memory: KVMemory = field(default_factory=KVMemory, compare=False)  # live: context K/V bytes, budget
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ class Drafter(ABC):
     def info(self) -> DrafterInfo: ...
 
     @abstractmethod
-    def prefill(self, session_id: str, delta: FeatureDelta) -> int:
-        """Start (or restart) a session from the prompt's features (``delta.start == 0``).
+    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
+        """Start a session from the prompt's features (``delta.start == 0``); ``restart``
+        replaces the open one of that id (without it an open id is ``AlreadyExistsError``).
 
         Returns the session's base (``delta.end``).
         """

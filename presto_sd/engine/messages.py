@@ -8,6 +8,7 @@ silently applied. The errors map one-to-one onto gRPC status codes (docs/design.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,12 @@ class StaleBaseError(EngineError):
 
 class LimitExceededError(EngineError):
     code = "RESOURCE_EXHAUSTED"
+
+
+class AlreadyExistsError(EngineError):
+    """A Prefill on an id that is open, without ``restart``."""
+
+    code = "ALREADY_EXISTS"
 
 
 class UnauthenticatedError(EngineError):
@@ -82,8 +89,14 @@ class FeatureDelta:
         return self.start + len(self.tokens)
 
 
+def session_tag(session_id: str) -> str:
+    """How logs and error messages name a session: a short hash of its id, never the id
+    (whoever knows an id may act on that session, within its principal)."""
+    return "#" + hashlib.sha256(session_id.encode()).hexdigest()[:12]
+
+
 def check_base(session_id: str, expected: int, got: int) -> None:
     if got != expected:
         raise StaleBaseError(
-            f"session {session_id!r}: stale base {got}, the session is at base {expected}"
+            f"session {session_tag(session_id)}: stale base {got}, the session is at base {expected}"
         )

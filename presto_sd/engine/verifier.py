@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from presto_sd.engine.messages import EngineError, FeatureDelta
+from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.batch_cost import SharedForward
 from presto_sd.method.cost_model import CostFit
@@ -36,6 +37,7 @@ class VerifierInfo:
     target_layer_ids: tuple[int, ...]
     limits: VerifierLimits = field(default_factory=VerifierLimits)
     cost: CostFit | None = None  # forward seconds vs tree size and context, fit online
+    memory: KVMemory = field(default_factory=KVMemory, compare=False)  # live: KV bytes in use, budget
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,13 @@ class Verifier(ABC):
         token_ids: list[int],
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
+        restart: bool = False,
     ) -> PrefillResult:
-        """Start (or restart) a session on ``token_ids``.
+        """Start a session on ``token_ids`` (``restart``: replace the open one of that id).
 
         Without ``anchor`` the first token is drawn from the target; with it (re-prefill
         after a verifier restart) that already-emitted token becomes the pending anchor.
+        An open id without ``restart`` is refused (``AlreadyExistsError``).
         """
 
     @abstractmethod

@@ -57,6 +57,7 @@ class DrafterLink:
         self.synced = 0  # how many of them the drafter has
         self.lost = True  # no session there: catching up means a prefill
         self.opened = False
+        self.tried = False  # a prefill was sent: later ones restart it (it may have been applied)
         self.retry_at, self.wait = 0.0, policy.drafter_retry_s
 
     def prefill(self, delta: FeatureDelta) -> None:
@@ -98,7 +99,8 @@ class DrafterLink:
                 except (SessionNotFoundError, StaleBaseError):
                     self.lost = True
             if self.lost:
-                self.drafter.prefill(self.sid, _concat(self.log))
+                restart, self.tried = self.tried, True
+                self.drafter.prefill(self.sid, _concat(self.log), restart=restart)
                 self.lost, self.opened = False, True
             self.synced = len(self.log)
         except _DRAFTER_AWAY:
@@ -120,9 +122,14 @@ class VerifierLink:
     ) -> None:
         self.verifier, self.sid, self.sampling, self.policy = verifier, session_id, sampling, policy
         self.tokens: list[int] = []  # prompt + committed output; the last is the pending anchor
+        self.tried = False  # a prefill was sent: later ones restart it (it may have been applied)
 
     def prefill(self, prompt_ids: list[int]) -> PrefillResult:
-        pre = self._retry(lambda: self.verifier.prefill(self.sid, list(prompt_ids), self.sampling))
+        def attempt() -> PrefillResult:
+            restart, self.tried = self.tried, True
+            return self.verifier.prefill(self.sid, list(prompt_ids), self.sampling, restart=restart)
+
+        pre = self._retry(attempt)
         self.tokens = [*prompt_ids, pre.anchor]
         return pre
 
@@ -135,7 +142,7 @@ class VerifierLink:
 
         def recover() -> None:
             self.verifier.prefill(self.sid, self.tokens[:-1], self._resumed_sampling(),
-                                  anchor=self.tokens[-1])
+                                  anchor=self.tokens[-1], restart=True)
 
         res = self._retry(attempt, recover)
         self.tokens.extend(res.new_tokens)

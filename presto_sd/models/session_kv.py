@@ -24,14 +24,16 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION = "presto_sessions"  # the attention implementation name this module registers
-_MIN_CAPACITY = 64
+_ROUND = 16  # capacities are multiples of this
+_GROWTH = 1.5  # a full buffer grows to this many times what it needs: amortised O(1) appends
 
 
 class SessionKV:
     """One session's keys and values, per layer [1, kv_heads, capacity, head_dim].
 
-    ``length`` entries are committed; buffers grow by doubling, so appending is amortised
-    O(1) per token and nothing is copied per step.
+    ``length`` entries are committed; a full buffer grows to 1.5x what it needs, so
+    appending is amortised O(1) per token and nothing is copied per step. The session
+    tables' KV budget counts committed positions: the growth room is up to half again.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -66,12 +68,10 @@ class SessionKV:
         return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def reserve(self, n: int) -> None:
-        """Room for ``n`` entries; doubles the buffers (copying only the committed part)."""
+        """Room for ``n`` entries; grows the buffers (copying only the committed part)."""
         if n <= self.capacity:
             return
-        capacity = max(_MIN_CAPACITY, self.capacity)
-        while capacity < n:
-            capacity *= 2
+        capacity = -(-int(n * _GROWTH) // _ROUND) * _ROUND
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = self._empty(capacity)

@@ -14,6 +14,7 @@ import grpc
 
 from presto_sd.engine.messages import UnavailableError
 from presto_sd.rpc.errors import error_from_rpc
+from presto_sd.rpc.principals import client_token
 from presto_sd.rpc.server import message_options
 
 _RECONNECT = [
@@ -40,7 +41,8 @@ class ClientConfig:
 
 
 def read_token(path: str | None) -> str | None:
-    return Path(path).read_text().strip() if path else None
+    """The token a client sends: the file's one line, bare or ``name:token`` (``principals``)."""
+    return client_token(path) if path else None
 
 
 def make_channel(address: str, config: ClientConfig = ClientConfig()) -> grpc.Channel:

@@ -2,19 +2,25 @@
 
 - Health (``grpc.health.v1``): NOT_SERVING until the engine is loaded, SERVING once it is,
   NOT_SERVING again while draining (SIGTERM), then a graceful stop. Reflection is on.
-- One interceptor: the bearer token (health and reflection stay open, for probes and
-  tooling), exceptions -> status codes (``errors.status_of``), one JSON log line per call.
+- One interceptor: the caller's principal (``principals``: its bearer token, else its
+  client certificate, else ``anonymous``; health and reflection stay open, for probes and
+  tooling), exceptions -> status codes (``errors.status_of``), one JSON log line per call,
+  which names a session by a short hash (``session_tag``), never by its id.
+- Sessions are the principal's: a servicer keys each by ``<principal>/<session_id>``
+  (``EngineHost.session_key``), so another principal's calls never find it (NOT_FOUND).
 - Engines are synchronous: each runs its calls one at a time on its own thread (the
-  per-engine lock); a call whose deadline passed while it queued is not run.
-- Message limits raised for feature deltas; a session cap (the engine's) and a TTL
-  reaper that frees idle sessions (``engine.close_idle``).
+  per-engine lock); a call whose deadline passed while it queued is not run. A long
+  prefill runs as several tasks (``run_steps``), so other calls run between its chunks.
+- Message limits raised for feature deltas; a call whose response could pass them is
+  refused before it runs (``EngineHost.check_response``), so it changes nothing. A
+  session cap and a KV budget (the engine's) and a TTL reaper that frees idle sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import contextvars
 import json
 import logging
 import signal
@@ -29,13 +35,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from presto_sd.engine.messages import UnauthenticatedError, UnavailableError
+from presto_sd.engine.messages import LimitExceededError, UnauthenticatedError, UnavailableError, session_tag
 from presto_sd.rpc.errors import DeadlineExpiredError, status_of
+from presto_sd.rpc.principals import ANONYMOUS, DEFAULT, Principals
 
 log = logging.getLogger("presto_sd.rpc")
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("presto_principal", default=ANONYMOUS)
+
+
+def current_principal() -> str:
+    """The principal of the call being served (set by the interceptor)."""
+    return _PRINCIPAL.get()
 
 
 def message_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -50,7 +63,8 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM files; cert + key turn TLS on
     tls_key: str | None = None
     tls_client_ca: str | None = None  # mutual TLS: clients must show a cert this CA signed
-    auth_token: str | None = None  # clients must send "authorization: Bearer <token>"
+    auth_token: str | None = None  # clients must send "authorization: Bearer <token>" (principal "default")
+    auth_tokens: tuple[tuple[str, str], ...] = ()  # (principal, token) pairs: a token file's lines
     session_ttl_s: float = 600.0  # idle sessions are closed after this
     max_message_mb: int = 512
     drain_s: float = 5.0  # NOT_SERVING but still answering, so load balancers move away
@@ -63,12 +77,17 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port}: out of range")
-        if self.auth_token is not None and not self.auth_token.strip():
-            raise ValueError("the auth token is empty")
+        if self.auth_token is not None:
+            Principals(((DEFAULT, self.auth_token),))  # refuses an empty one
         if self.session_ttl_s <= 0 or not 1 <= self.max_message_mb < 2048:
             raise ValueError("session_ttl_s must be > 0 and max_message_mb in [1, 2047]")
         if self.drain_s < 0 or self.grace_s < 0:
             raise ValueError("drain_s and grace_s must be >= 0")
+
+    def principals(self) -> Principals | None:
+        """The principals known by token; None: no token needed."""
+        tokens = (*(((DEFAULT, self.auth_token),) if self.auth_token else ()), *self.auth_tokens)
+        return Principals(tokens) if tokens else None
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if self.tls_cert is None:
@@ -85,13 +104,36 @@ def _run_before(deadline: float | None, fn: Callable, args: tuple) -> Any:
     return fn(*args)
 
 
+def _next_step(steps) -> tuple[bool, Any]:
+    """One step of an engine generator: ``(done, its result)``."""
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, None
+
+
 class EngineHost:
     """Base of the thin servicers: the engine (absent until loaded), run on its own thread."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.engine: Any = None
+        self.max_response_bytes = 512 << 20  # the server's send limit (GrpcServer sets it)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-engine")
+
+    @staticmethod
+    def session_key(session_id: str) -> str:
+        """The engine's key of the caller's session: its principal's, and no one else's."""
+        return f"{current_principal()}/{session_id}"
+
+    def check_response(self, bound: int, what: str) -> None:
+        """Refuse, before anything runs, a call whose response may pass the send limit."""
+        if bound > self.max_response_bytes:
+            raise LimitExceededError(
+                f"{what}: its response may take {bound} bytes, over the {self.max_response_bytes >> 20} MiB "
+                "message limit (--max-message-mb); nothing was run"
+            )
 
     def ready(self) -> Any:
         if self.engine is None:
@@ -106,6 +148,24 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, _run_before, deadline, fn, args)
 
+    async def run_steps(self, context: grpc.aio.ServicerContext | None, method: str, *args: Any) -> Any:
+        """``engine.method(*args)``, a generator, one step per engine-thread task: calls queued
+        meanwhile run between its steps. A deadline or a cancel stops it between steps (the
+        generator is closed on the engine thread, so what it reserved is given back)."""
+        steps = getattr(self.ready(), method)(*args)
+        remaining = context.time_remaining() if context is not None else None
+        deadline = None if remaining is None else time.monotonic() + remaining
+        loop, done = asyncio.get_running_loop(), False
+        try:
+            while not done:
+                done, value = await loop.run_in_executor(
+                    self._thread, _run_before, deadline, _next_step, (steps,))
+            return value
+        finally:
+            if not done:
+                with contextlib.suppress(RuntimeError):  # the engine thread is gone: so is the engine
+                    self._thread.submit(steps.close)  # after the step in flight, if any
+
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
@@ -118,27 +178,26 @@ def _session_of(request: Any) -> str:
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, auth_token: str | None) -> None:
-        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+    def __init__(self, principals: Principals | None) -> None:
+        self._principals = principals
 
-    def _authorized(self, metadata) -> bool:
-        if self._expected is None:
-            return True
-        got = dict(metadata or ()).get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        return hmac.compare_digest(got, self._expected)
+    def _principal(self, metadata, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's principal; None when a token is needed and missing or wrong."""
+        if self._principals is not None:
+            return self._principals.who(dict(metadata or ()).get("authorization", ""))
+        cn = (context.auth_context() or {}).get("x509_common_name")
+        return f"cert:{cn[0].decode(errors='replace')}" if cn else ANONYMOUS
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
-        method = details.method
-        authorized = self._authorized(details.invocation_metadata)
+        method, metadata = details.method, details.invocation_metadata
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def call(request, context):
-                async with _guard(method, authorized, request, context) as record:
+                async with _guard(method, self._principal(metadata, context), request, context) as record:
                     response = await inner(request, context)
                     record["bytes_out"] = response.ByteSize()
                     return response
@@ -148,7 +207,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_stream
 
             async def call(request, context):
-                async with _guard(method, authorized, request, context) as record:
+                async with _guard(method, self._principal(metadata, context), request, context) as record:
                     async for response in inner(request, context):
                         record["bytes_out"] += response.ByteSize()
                         yield response
@@ -161,12 +220,13 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
 
 @contextlib.asynccontextmanager
-async def _guard(method: str, authorized: bool, request, context: grpc.aio.ServicerContext):
-    """One call's auth, exception -> status, and its JSON log line."""
+async def _guard(method: str, principal: str | None, request, context: grpc.aio.ServicerContext):
+    """One call's auth and principal, exception -> status, and its JSON log line."""
     t0, code, message = time.perf_counter(), grpc.StatusCode.OK, ""
     record = {"bytes_out": 0}
+    bound = _PRINCIPAL.set(principal or ANONYMOUS)
     try:
-        if not authorized:
+        if principal is None:
             raise UnauthenticatedError("missing or wrong bearer token (metadata 'authorization')")
         yield record
     except asyncio.CancelledError:  # the client left or its deadline passed
@@ -180,12 +240,16 @@ async def _guard(method: str, authorized: bool, request, context: grpc.aio.Servi
             log.exception("%s failed", method)
         await context.abort(code, message)
     finally:
+        sid = _session_of(request)
         log.info(json.dumps({
             "event": "call", "method": method, "code": code.name,
-            "ms": round(1e3 * (time.perf_counter() - t0), 2), "session": _session_of(request),
+            "ms": round(1e3 * (time.perf_counter() - t0), 2), "principal": principal,
+            "session": session_tag(f"{principal or ANONYMOUS}/{sid}") if sid else "",
             "peer": context.peer(), "bytes_in": request.ByteSize(), "bytes_out": record["bytes_out"],
             **({"error": message} if message else {}),
         }))
+        with contextlib.suppress(ValueError):  # a stream's generator may end in another context
+            _PRINCIPAL.reset(bound)
 
 
 # -- the server -------------------------------------------------------------------------
@@ -204,8 +268,9 @@ class GrpcServer:
         """Bind and serve, NOT_SERVING until ``attach``; returns the bound port."""
         c = self.config
         self.server = grpc.aio.server(
-            interceptors=[CallInterceptor(c.auth_token)], options=message_options(c.max_message_mb)
+            interceptors=[CallInterceptor(c.principals())], options=message_options(c.max_message_mb)
         )
+        self.servicer.max_response_bytes = c.max_message_mb << 20
         self.add_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -224,7 +289,7 @@ class GrpcServer:
         for name in ("", self.service_name):
             await self.health.set(name, NOT_SERVING)
         log.info(json.dumps({"event": "listening", "service": self.service_name, "host": c.host,
-                             "port": port, "tls": creds is not None, "auth": bool(c.auth_token)}))
+                             "port": port, "tls": creds is not None, "auth": c.principals() is not None}))
         return port
 
     async def attach(self, engine: Any) -> None:
@@ -233,7 +298,9 @@ class GrpcServer:
         for name in ("", self.service_name):
             await self.health.set(name, SERVING)
         self._reaper = asyncio.create_task(self._reap())
-        log.info(json.dumps({"event": "serving", "service": self.service_name}))
+        sessions = getattr(engine, "sessions", None)
+        memory = {"kv_budget_bytes": sessions.budget_bytes} if hasattr(sessions, "budget_bytes") else {}
+        log.info(json.dumps({"event": "serving", "service": self.service_name, **memory}))
 
     async def load(self, loader: Callable[[], Any]) -> None:
         engine = await asyncio.get_running_loop().run_in_executor(None, loader)
@@ -245,7 +312,8 @@ class GrpcServer:
             await asyncio.sleep(min(ttl / 2, 30.0))
             closed = await self.servicer.run(None, "close_idle", ttl)
             if closed:
-                log.info(json.dumps({"event": "sessions_expired", "sessions": closed}))
+                tags = [session_tag(k) for k in closed]
+                log.info(json.dumps({"event": "sessions_expired", "sessions": tags}))
 
     async def drain(self) -> None:
         """NOT_SERVING for ``drain_s`` (still answering), then stop with ``grace_s``."""

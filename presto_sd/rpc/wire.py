@@ -14,6 +14,7 @@ import torch
 
 from presto_pb.v1 import common_pb2 as pb
 from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.acceptance_calibration import AcceptanceCalibration
 from presto_sd.method.builders import TreeParams
@@ -153,6 +154,15 @@ def session_id_from(session_id: str, field: str = "session_id") -> str:
     if not session_id or len(session_id) > MAX_SESSION_ID:
         raise InvalidArgumentError(f"{field}: must be 1..{MAX_SESSION_ID} characters")
     return session_id
+
+
+def memory_to_pb(m: KVMemory) -> pb.KVMemory:
+    return pb.KVMemory(bytes_per_token=m.bytes_per_token, budget_bytes=m.budget_bytes or 0,
+                       in_use_bytes=m.in_use_bytes)
+
+
+def memory_from_pb(msg: pb.KVMemory) -> KVMemory:
+    return KVMemory(msg.bytes_per_token, msg.budget_bytes or None, msg.in_use_bytes)
 
 
 def session_ref_to_pb(session_id: str, base: int) -> pb.SessionRef:

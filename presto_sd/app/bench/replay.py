@@ -103,7 +103,8 @@ class OracleVerifier(Verifier):
             )
         return FeatureDelta(start, r.tokens[start:end], r.features[start:end])
 
-    def prefill(self, session_id, token_ids, sampling=SamplingParams(), anchor=None) -> PrefillResult:
+    def prefill(self, session_id, token_ids, sampling=SamplingParams(), anchor=None,
+                restart=False) -> PrefillResult:
         r = self.recording
         if sampling.temperature != 0:
             raise InvalidArgumentError("replay: greedy only (sampled acceptance is not deterministic)")
