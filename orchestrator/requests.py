@@ -19,6 +19,7 @@ class GenerateJob:
     prompt_ids: tuple[int, ...]
     params: GenerationParams
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    resume: tuple[int, ...] = ()  # output a client already received (a broken stream's)
 
 
 @dataclass(frozen=True)
