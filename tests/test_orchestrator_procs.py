@@ -88,6 +88,42 @@ def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
         log.close()
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:80]
+    except OSError:
+        return "?"
+
+
+# before any test starts a Ray in this process, as above
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc (Linux)")
+def test_sigkill_of_up_leaves_nothing_it_started(tiny_dir, tmp_path):
+    path, _, _ = tiny_dir
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--target", str(path), "--drafter",
+         "random", "--threads", "1", "--drain-s", "5", "--grace-s", "10"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    try:
+        line = up.stdout.readline()
+        assert line, (tmp_path / "up.log").read_text()[-3000:]
+        family = descendants(up.pid)  # the servers, Ray's processes, its agents, the actors, the reaper
+        names = [_cmdline(p) for p in family]
+        assert set(json.loads(line)["pids"]) <= family
+        assert any("DashboardAgent" in n for n in names) and any("raylet" in n for n in names), names
+        up.kill()
+        up.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(family), "orphans: " + ", ".join(_cmdline(p) for p in alive(family))
+    finally:
+        if up.poll() is None:
+            up.kill()
+        log.close()
+
+
 @pytest.fixture(scope="module")
 def fitted_drafter_dir(tiny_dir, tmp_path_factory):
     """A drafter dir as ``train acceptance`` leaves it: an h_phi, and lambdas fitted per rho that

@@ -2,6 +2,9 @@
 
     presto-sd up [--port 50050]                      # verifier + drafter servers + orchestrator
     presto-sd generate "PROMPT" --orchestrator-addr 127.0.0.1:50050 [--json]
+
+Ctrl-C or SIGTERM drains and stops everything; whatever else ends `up` (SIGKILL, a crash),
+its watchdog (``reaper.py``) ends every process it started within a few seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 import threading
 import time
 
+from presto_sd.app.reaper import start_reaper
 from presto_sd.app.serve import add_orchestrator_args, serve_orchestrator
 
 
@@ -79,7 +83,8 @@ class _Child:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `up` dies without cleaning up (Linux prctl PDEATHSIG)."""
+    """In the child: get SIGTERM at once if `up` dies without cleaning up (Linux prctl
+    PDEATHSIG); the reaper's sweep follows for whatever the child started or ignores it."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -87,6 +92,7 @@ def _die_with_parent() -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    start_reaper()  # first: everything started from here on carries the family's mark
     children = [_Child(kind, args) for kind in ("verifier", "drafter")]
     try:
         ports = {c.kind: c.wait_for("listening", 600)["port"] for c in children}
