@@ -69,7 +69,7 @@ class RequestStream:
         finish = "cancelled"
         stream = stream_generate(self.verifier, self.drafter if method.needs_drafter else None,
                                  list(job.prompt_ids), job.params, self.orch.detokenize, job.request_id,
-                                 job.resume)
+                                 resume=job.resume)
         try:
             t0 = time.perf_counter()
             for chunk in stream:

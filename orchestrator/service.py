@@ -111,7 +111,7 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer) -
         raise InvalidArgumentError("stop: stop strings need a tokenizer, and this orchestrator has none")
     rid = session_id_from(msg.request_id, "request_id") if msg.request_id else uuid.uuid4().hex
     resume = _resume_ids(msg, params.max_new_tokens, defaults.vocab_size)
-    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid, resume)
+    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid, resume=resume)
 
 
 def _resume_ids(msg: pb.GenerateRequest, max_new_tokens: int, vocab_size: int) -> tuple[int, ...]:
