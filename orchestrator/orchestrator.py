@@ -55,8 +55,9 @@ class RequestStream:
         self.route = Route(job.session_id)
         self.drafter = RoutedDrafter(orch.drafters, self.route, orch.metrics, orch.batchers)
         self.verifier = RoutedVerifier(orch.verifiers, self.route, orch.metrics, orch.batchers)
-        self.tokens: list[int] = []  # committed output so far
-        self._text = ""
+        self.tokens: list[int] = list(job.resume)  # committed output so far, resumed or not
+        # the text a resumed stream's client has: its whole characters
+        self._text = orch.detokenize(self.tokens).rstrip("\ufffd") if job.resume and orch.detokenize else ""
         self._cancelled = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"request-{job.session_id[:8]}")
 
@@ -68,7 +69,8 @@ class RequestStream:
         job, method = self.job, get_method(self.job.params.method)
         finish = "cancelled"
         stream = stream_generate(self.verifier, self.drafter if method.needs_drafter else None,
-                                 list(job.prompt_ids), job.params, self.orch.detokenize, job.session_id)
+                                 list(job.prompt_ids), job.params, self.orch.detokenize, job.session_id,
+                                 resume=job.resume)
         try:
             t0 = time.perf_counter()
             for chunk in stream:

@@ -26,11 +26,12 @@ def make_request(
     stop: Sequence[str] = (),
     chat: bool = True,
     request_id: str = "",
+    resume_token_ids: Sequence[int] = (),
 ) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(
         method=method, tree=common_pb2.TreeParams(**(tree or {})),
         sampling=common_pb2.SamplingParams(**(sampling or {})), max_new_tokens=max_new_tokens,
-        stop=list(stop), no_chat=not chat, request_id=request_id,
+        stop=list(stop), no_chat=not chat, request_id=request_id, resume_token_ids=list(resume_token_ids),
     )
     if isinstance(prompt, str):
         msg.text = prompt

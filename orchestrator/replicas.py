@@ -38,6 +38,7 @@ class Replica:
         self.sessions: set[str] = set()  # requests whose session lives here
         self.down_until, self._wait = 0.0, timeouts.retry_s
         self.dead = False  # its actor is gone for good (no restarts left)
+        self.max_context: int | None = None  # a verifier's context window, once asked
 
     @property
     def healthy(self) -> bool:

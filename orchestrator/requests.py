@@ -29,6 +29,7 @@ class GenerateJob:
     request_id: str = field(default_factory=_new_id)
     principal: str = "anonymous"  # who sent it (presto_sd.rpc.principals)
     session_id: str = field(default_factory=_new_id)
+    resume: tuple[int, ...] = ()  # output a client already received (a broken stream's)
 
     @property
     def key(self) -> str:

@@ -129,6 +129,13 @@ class RoutedVerifier(_Routed, Verifier):
     def info(self) -> VerifierInfo:
         return self._home().call("info").value
 
+    def max_context(self) -> int:
+        """The home replica's window, asked once per replica (it is fixed when it loads)."""
+        replica = self._home()
+        if replica.max_context is None:
+            replica.max_context = replica.call("max_context").value
+        return replica.max_context
+
     def prefill(self, session_id: str, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                 anchor: int | None = None, restart: bool = False) -> PrefillResult:
         replica = self._home()

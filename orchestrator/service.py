@@ -46,6 +46,7 @@ class ServiceDefaults:
     drafter_info: DrafterInfo | None = None  # its fitted PRESTO settings fill in rho and lambdas
     rho: str | None = None  # the server's --rho, if given (else the drafter's, per method)
     lambdas: tuple[float, ...] | None = None  # the server's --lambda, if given (else per rho)
+    vocab_size: int = 0  # the target's, to check resume_token_ids (0: the verifier checks them)
 
     def tree_settings(self, method: str, rho: str | None, lambdas: tuple[float, ...] | None):
         """``(rho, lambdas)`` of a request as ``generate`` makes them embedded: what the request
@@ -111,7 +112,20 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer,
     if params.stop_strings and tokenizer is None:
         raise InvalidArgumentError("stop: stop strings need a tokenizer, and this orchestrator has none")
     rid = session_id_from(msg.request_id, "request_id") if msg.request_id else uuid.uuid4().hex
-    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid, principal)
+    resume = _resume_ids(msg, params.max_new_tokens, defaults.vocab_size)
+    return GenerateJob(tuple(_prompt_ids(msg, tokenizer)), params, rid, principal, resume=resume)
+
+
+def _resume_ids(msg: pb.GenerateRequest, max_new_tokens: int, vocab_size: int) -> tuple[int, ...]:
+    ids = tuple(msg.resume_token_ids)
+    if len(ids) > max_new_tokens:
+        raise InvalidArgumentError(
+            f"resume_token_ids: {len(ids)} tokens, more than max_new_tokens {max_new_tokens}")
+    top = vocab_size or 2**31
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < top), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"resume_token_ids[{bad}] = {ids[bad]}: out of range [0, {top})")
+    return ids
 
 
 # -- answers ----------------------------------------------------------------------------

@@ -25,7 +25,12 @@ from orchestrator import service
 from orchestrator.client import OrchestratorClient
 from orchestrator.metrics import prometheus_names
 from orchestrator.orchestrator import Orchestrator
-from presto_sd.engine.messages import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from presto_sd.engine.messages import (
+    InvalidArgumentError,
+    LimitExceededError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from presto_sd.loop.faults import FaultPolicy
 from presto_sd.loop.generate import GenerationParams
 from presto_sd.method.builders import TreeParams
@@ -200,6 +205,56 @@ def test_request_ids_are_per_principal_and_never_the_engines_session_ids(tiny_ta
         alice.close()
         bob.close()
         rpc_util.run(server.stop(0))
+
+
+def test_the_window_ends_a_stream_with_length(tiny_target, stack):
+    _, client, _ = stack
+    window = tiny_target.config.max_position_embeddings  # the verifier's max_context
+    prompt = [0, *([3, 5, 7, 9] * 200)][: window - 7]
+    tokens, chunks = _tokens(client, prompt, method="marginal", max_new_tokens=100)
+    assert tokens == hf_greedy(tiny_target, prompt, 7)
+    assert chunks[-1].finish_reason == "length" and not any(c.finish_reason for c in chunks[:-1])
+    with pytest.raises(LimitExceededError, match="max_context"):  # a prompt that alone fills it
+        _tokens(client, [0] * window, method="marginal")
+
+
+def test_a_resumed_request_goes_on_from_the_tokens_received(tiny_target, stack):
+    orch, client, _ = stack
+    prompt, n = [0, 3, 5, 7], 24
+    whole = hf_greedy(tiny_target, prompt, n)
+    for method in ("ar", "marginal", "presto-beam"):
+        for cut in (1, 10, n):
+            tokens, chunks = _tokens(client, prompt, method=method, max_new_tokens=n,
+                                     resume_token_ids=whole[:cut])
+            assert tokens == whole[cut:] and chunks[-1].finish_reason == "length", (method, cut)
+            assert all(c.tokens for c in chunks[:-1])  # the resumed prefill's empty chunk is not passed on
+    bad = [(whole + [1], "more than max_new_tokens 24"), ([3, -1], "resume_token_ids[1] = -1"),
+           ([3, 99], "token 99 out of range")]
+    for resume, needle in bad:
+        with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+            _tokens(client, prompt, max_new_tokens=n, resume_token_ids=resume)
+    assert not orch.requests
+
+
+def test_the_client_resumes_a_broken_stream_on_the_next_orchestrator(tiny_target, stack):
+    orch, _, port = stack
+    servicer = service.OrchestratorServicer()
+    servicer.defaults = service.ServiceDefaults(DEFAULTS)
+    doomed = GrpcServer(ServerConfig(drain_s=0.0, grace_s=0.0), servicer, service.add_to_server,
+                        service.SERVICE_NAME)
+    address = f"127.0.0.1:{rpc_util.run(doomed.start())}"
+    rpc_util.run(doomed.attach(orch))
+    client = OrchestratorClient([address, f"127.0.0.1:{port}"], timeout_s=120)
+    tokens = []
+    try:
+        for k, chunk in enumerate(client.generate([0, 3, 5, 7], method="ar", max_new_tokens=300)):
+            tokens.extend(chunk.tokens)
+            if k == 3:
+                rpc_util.run(doomed.stop(0))  # the stream in flight is cut
+    finally:
+        client.close()
+    assert client.resumes >= 1 and client.current == 1
+    assert tokens == hf_greedy(tiny_target, [0, 3, 5, 7], 300)
 
 
 def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack):

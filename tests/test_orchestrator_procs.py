@@ -11,25 +11,30 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 import ray
 import torch
 
 from drafter_service.remote import RemoteDrafter
+from orchestrator import service
 from orchestrator.actors import remote_spec
+from orchestrator.client import OrchestratorClient
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.requests import GenerateJob
 from presto_sd.app import cli
 from presto_sd.engine.messages import UnauthenticatedError
 from presto_sd.loop.faults import FaultPolicy
-from presto_sd.loop.generate import GenerationParams
+from presto_sd.loop.generate import GenerationParams, stream_generate, tau
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import HPhi
 from presto_sd.models.loading import eos_token_ids, load_tokenizer
 from presto_sd.rpc.client import ClientConfig
+from presto_sd.rpc.server import GrpcServer, ServerConfig
+from tests import rpc_util
 from tests.conftest import hf_greedy, tiny_drafter_model, tiny_llama
 from tests.orchestrator_util import alive, descendants, spawn_server
-from tests.rpc_util import wait_for
+from tests.rpc_util import spawn, wait_for
 from verifier_service.remote import RemoteVerifier
 
 FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=30.0, verifier_retry_s=0.05)
@@ -100,6 +105,42 @@ def test_up_serves_the_cli_and_stops_cleanly(tiny_dir, capsys, tmp_path):
             time.sleep(0.2)
         assert not alive(family), "orphans: " + ", ".join(
             open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:80] for p in alive(family))
+    finally:
+        if up.poll() is None:
+            up.kill()
+        log.close()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:80]
+    except OSError:
+        return "?"
+
+
+# before any test starts a Ray in this process, as above
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc (Linux)")
+def test_sigkill_of_up_leaves_nothing_it_started(tiny_dir, tmp_path):
+    path, _, _ = tiny_dir
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--target", str(path), "--drafter",
+         "random", "--threads", "1", "--drain-s", "5", "--grace-s", "10"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    try:
+        line = up.stdout.readline()
+        assert line, (tmp_path / "up.log").read_text()[-3000:]
+        family = descendants(up.pid)  # the servers, Ray's processes, its agents, the actors, the reaper
+        names = [_cmdline(p) for p in family]
+        assert set(json.loads(line)["pids"]) <= family
+        assert any("DashboardAgent" in n for n in names) and any("raylet" in n for n in names), names
+        up.kill()
+        up.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(family), "orphans: " + ", ".join(_cmdline(p) for p in alive(family))
     finally:
         if up.poll() is None:
             up.kill()
@@ -210,5 +251,119 @@ def test_killed_servers_mid_stream(tiny_dir, ray_local):
         for proc, _ in servers.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(timeout=30)
+
+
+# slow: three server processes and a second Ray (~110 s on a loaded 2-core box); the default
+# run has the same resume in-process (test_orchestrator.py, a server stopped mid-stream)
+@pytest.mark.slow
+def test_killed_orchestrator_mid_stream_resumes_on_another(tiny_dir, ray_local):
+    """SIGKILL of a `serve orchestrator` mid-stream: the client goes on on the next one, from
+    the tokens it has, and the output is the unbroken greedy output."""
+    path, model, eos = tiny_dir
+    prompt, n = [1, 9690, 198, 151], 300
+    reference = _reference(model, prompt, n, eos)
+    assert len(reference) > 50  # long enough to be cut
+    servers = {kind: spawn_server(kind, path) for kind in ("verifier", "drafter")}
+    doomed, backup, server, client = None, None, None, None
+    try:
+        addr = {k: f"127.0.0.1:{wait_for(lines, 'listening')['port']}" for k, (_, lines) in servers.items()}
+        for _, lines in servers.values():
+            wait_for(lines, "serving")
+        doomed, lines = spawn(["serve", "orchestrator", "--port", "0", "--target", str(path),
+                               "--verifier-addr", addr["verifier"], "--drafter-addr", addr["drafter"],
+                               "--drain-s", "0", "--grace-s", "0"])
+        first = f"127.0.0.1:{wait_for(lines, 'listening')['port']}"
+        backup = Orchestrator.start([remote_spec("drafter", addr["drafter"])],
+                                    [remote_spec("verifier", addr["verifier"])])
+        servicer = service.OrchestratorServicer()
+        servicer.defaults = service.ServiceDefaults(GenerationParams(stop_token_ids=eos))
+        server = GrpcServer(ServerConfig(drain_s=0.0, grace_s=0.0), servicer, service.add_to_server,
+                            service.SERVICE_NAME)
+        second = f"127.0.0.1:{rpc_util.run(server.start())}"
+        rpc_util.run(server.attach(backup))
+        wait_for(lines, "serving")
+        client = OrchestratorClient([first, second], timeout_s=120)
+        tokens = []
+        for k, chunk in enumerate(client.generate(prompt, method="marginal", tree={"budget": 8, "depth": 4},
+                                                  max_new_tokens=n)):
+            tokens.extend(chunk.tokens)
+            if k == 5:
+                doomed.kill()  # SIGKILL: no drain, the stream in flight is cut
+        assert client.resumes >= 1 and client.current == 1
+        assert tokens == reference
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            rpc_util.run(server.stop(0))
+        if backup is not None:
+            backup.shutdown()
+        if doomed is not None and doomed.poll() is None:
+            doomed.kill()
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def predictable_dir(tmp_path_factory):
+    """A tiny target whose greedy output the random drafter predicts: every token's embedding
+    is large along dimension 0, and only token 100's lm_head row reads it, so the target and
+    the drafter (the target's embeddings and lm_head, random layers) both always say 100."""
+    path = tmp_path_factory.mktemp("predictable")
+    model = tiny_llama(vocab=49152)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 1000.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[100, 0] = 8.0
+    model.save_pretrained(path)
+    load_tokenizer().save_pretrained(path)
+    return path, model
+
+
+def test_a_restarted_drafter_brings_speculation_back(predictable_dir):
+    """`serve drafter` SIGKILLed mid-stream, then restarted on its port: AR steps while it is
+    away, then rounds that accept draft tokens again; the output is AR's throughout."""
+    path, model = predictable_dir
+    prompt, n = [1, 9690, 198, 151], 200
+    servers = {kind: spawn_server(kind, path) for kind in ("verifier", "drafter")}
+    port = {k: wait_for(lines, "listening")["port"] for k, (_, lines) in servers.items()}
+    for _, lines in servers.values():
+        wait_for(lines, "serving")
+    verifier = RemoteVerifier(f"127.0.0.1:{port['verifier']}")
+    drafter = RemoteDrafter(f"127.0.0.1:{port['drafter']}", timeout_s=5)
+    params = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=8, depth=4),
+                              max_new_tokens=n, faults=FAST)
+    tokens, rounds, phase = [], {"up": [], "down": [], "back": []}, "up"
+    try:
+        for chunk in stream_generate(verifier, drafter, prompt, params):
+            tokens.extend(chunk.tokens)
+            if chunk.round is None:
+                continue
+            rounds[phase].append(chunk.round)
+            if phase == "up" and len(rounds["up"]) == 3:
+                servers["drafter"][0].kill()  # SIGKILL: its sessions are gone with it
+                servers["drafter"][0].wait()
+                phase = "down"
+            elif phase == "down" and len(rounds["down"]) == 5:
+                servers["drafter"] = spawn(["serve", "drafter", "--port", str(port["drafter"]), "--target",
+                                            str(path), "--drafter", "random", "--threads", "1",
+                                            "--drain-s", "0", "--grace-s", "0"])
+                wait_for(servers["drafter"][1], "serving")
+                grpc.channel_ready_future(drafter.rpc.channel).result(timeout=30)
+                phase = "back"
+        assert tokens == hf_greedy(model, prompt, n)
+        assert all(r.accepted == 4 for r in rounds["up"])  # the drafter predicts this target
+        assert all(r.fallback and r.tree_size == 0 for r in rounds["down"])
+        tail = rounds["back"][-10:]  # the last may be shallower: the output's end is near
+        assert len(rounds["back"]) > 10 and tau(tail) > 4 and not any(r.fallback for r in tail)
+    finally:
+        verifier.shutdown()
+        drafter.shutdown()
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(timeout=30)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from presto_pb.v1 import common_pb2 as presto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpresto/v1/orchestrator.proto\x12\tpresto.v1\x1a\x16presto/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.presto.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd7\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.presto.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.presto.v1.TokenIdsH\x00\x12\x0f\n\x07no_chat\x18\x04 \x01(\x08\x12\x13\n\x06method\x18\x05 \x01(\tH\x01\x88\x01\x01\x12#\n\x04tree\x18\x06 \x01(\x0b\x32\x15.presto.v1.TreeParams\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.presto.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\tB\x08\n\x06promptB\t\n\x07_methodB\x11\n\x0f_max_new_tokens\"\x9a\x01\n\nChunkStats\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x11\n\ttree_size\x18\x02 \x01(\x05\x12\x0f\n\x07\x64raft_s\x18\x03 \x01(\x01\x12\x10\n\x08verify_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x66\x61llback\x18\x07 \x01(\x08\x12\r\n\x05gated\x18\x08 \x01(\x08\"\xa6\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.presto.v1.ChunkStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12#\n\x04tree\x18\x06 \x01(\x0b\x32\x15.presto.v1.TreeParams\"D\n\x14GenerateBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.presto.v1.GenerateRequest\"\xcf\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0e\n\x06rounds\x18\x05 \x01(\x05\x12\x0b\n\x03tau\x18\x06 \x01(\x01\x12\x16\n\x0emean_tree_size\x18\x07 \x01(\x01\x12\x17\n\x0f\x66\x61llback_rounds\x18\x08 \x01(\x05\x12\x11\n\tprefill_s\x18\t \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\"C\n\x15GenerateBatchResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.presto.v1.GenerateResult\"\xf5\x01\n\x10OrchestratorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x18\n\x10\x64rafter_replicas\x18\x03 \x03(\t\x12\x19\n\x11verifier_replicas\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x05 \x01(\t\x12+\n\x0c\x64\x65\x66\x61ult_tree\x18\x06 \x01(\x0b\x32\x15.presto.v1.TreeParams\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cmax_requests\x18\x08 \x01(\x05\x12\x11\n\ttokenizer\x18\t \x01(\x08\x32\xea\x01\n\x13OrchestratorService\x12\x42\n\x08Generate\x12\x1a.presto.v1.GenerateRequest\x1a\x18.presto.v1.GenerateChunk0\x01\x12R\n\rGenerateBatch\x12\x1f.presto.v1.GenerateBatchRequest\x1a .presto.v1.GenerateBatchResponse\x12;\n\x04Info\x12\x16.presto.v1.InfoRequest\x1a\x1b.presto.v1.OrchestratorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpresto/v1/orchestrator.proto\x12\tpresto.v1\x1a\x16presto/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.presto.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf1\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.presto.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.presto.v1.TokenIdsH\x00\x12\x0f\n\x07no_chat\x18\x04 \x01(\x08\x12\x13\n\x06method\x18\x05 \x01(\tH\x01\x88\x01\x01\x12#\n\x04tree\x18\x06 \x01(\x0b\x32\x15.presto.v1.TreeParams\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.presto.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x18\n\x10resume_token_ids\x18\x0b \x03(\x05\x42\x08\n\x06promptB\t\n\x07_methodB\x11\n\x0f_max_new_tokens\"\x9a\x01\n\nChunkStats\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x11\n\ttree_size\x18\x02 \x01(\x05\x12\x0f\n\x07\x64raft_s\x18\x03 \x01(\x01\x12\x10\n\x08verify_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x66\x61llback\x18\x07 \x01(\x08\x12\r\n\x05gated\x18\x08 \x01(\x08\"\xa6\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.presto.v1.ChunkStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12#\n\x04tree\x18\x06 \x01(\x0b\x32\x15.presto.v1.TreeParams\"D\n\x14GenerateBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.presto.v1.GenerateRequest\"\xcf\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0e\n\x06rounds\x18\x05 \x01(\x05\x12\x0b\n\x03tau\x18\x06 \x01(\x01\x12\x16\n\x0emean_tree_size\x18\x07 \x01(\x01\x12\x17\n\x0f\x66\x61llback_rounds\x18\x08 \x01(\x05\x12\x11\n\tprefill_s\x18\t \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\"C\n\x15GenerateBatchResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.presto.v1.GenerateResult\"\xf5\x01\n\x10OrchestratorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x18\n\x10\x64rafter_replicas\x18\x03 \x03(\t\x12\x19\n\x11verifier_replicas\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x05 \x01(\t\x12+\n\x0c\x64\x65\x66\x61ult_tree\x18\x06 \x01(\x0b\x32\x15.presto.v1.TreeParams\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cmax_requests\x18\x08 \x01(\x05\x12\x11\n\ttokenizer\x18\t \x01(\x08\x32\xea\x01\n\x13OrchestratorService\x12\x42\n\x08Generate\x12\x1a.presto.v1.GenerateRequest\x1a\x18.presto.v1.GenerateChunk0\x01\x12R\n\rGenerateBatch\x12\x1f.presto.v1.GenerateBatchRequest\x1a .presto.v1.GenerateBatchResponse\x12;\n\x04Info\x12\x16.presto.v1.InfoRequest\x1a\x1b.presto.v1.OrchestratorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=171
   _globals['_TOKENIDS']._serialized_end=194
   _globals['_GENERATEREQUEST']._serialized_start=197
-  _globals['_GENERATEREQUEST']._serialized_end=540
-  _globals['_CHUNKSTATS']._serialized_start=543
-  _globals['_CHUNKSTATS']._serialized_end=697
-  _globals['_GENERATECHUNK']._serialized_start=700
-  _globals['_GENERATECHUNK']._serialized_end=866
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=868
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=936
-  _globals['_GENERATERESULT']._serialized_start=939
-  _globals['_GENERATERESULT']._serialized_end=1146
-  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1148
-  _globals['_GENERATEBATCHRESPONSE']._serialized_end=1215
-  _globals['_ORCHESTRATORINFO']._serialized_start=1218
-  _globals['_ORCHESTRATORINFO']._serialized_end=1463
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=1466
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=1700
+  _globals['_GENERATEREQUEST']._serialized_end=566
+  _globals['_CHUNKSTATS']._serialized_start=569
+  _globals['_CHUNKSTATS']._serialized_end=723
+  _globals['_GENERATECHUNK']._serialized_start=726
+  _globals['_GENERATECHUNK']._serialized_end=892
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=894
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=962
+  _globals['_GENERATERESULT']._serialized_start=965
+  _globals['_GENERATERESULT']._serialized_end=1172
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1174
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=1241
+  _globals['_ORCHESTRATORINFO']._serialized_start=1244
+  _globals['_ORCHESTRATORINFO']._serialized_end=1489
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=1492
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=1726
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "token_ids", "no_chat", "method", "tree", "sampling", "max_new_tokens", "stop", "request_id")
+    __slots__ = ("text", "messages", "token_ids", "no_chat", "method", "tree", "sampling", "max_new_tokens", "stop", "request_id", "resume_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -49,7 +50,8 @@ class GenerateRequest(_message.Message):
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., no_chat: _Optional[bool] = ..., method: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., no_chat: _Optional[bool] = ..., method: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChunkStats(_message.Message):
     __slots__ = ("accepted", "tree_size", "draft_s", "verify_s", "queue_s", "transfer_s", "fallback", "gated")

@@ -32,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--drafter-addr", default=None, help="HOST:PORT of a `presto-sd serve drafter`")
     add_client_args(g)
     g.add_argument("--orchestrator-addr", default=None,
-                   help="HOST:PORT of a `presto-sd serve orchestrator` (or `up`): generate through it")
+                   help="HOST:PORT[,HOST:PORT...] of `presto-sd serve orchestrator` (or `up`): generate "
+                        "through it; with several, a stream broken by an orchestrator's death resumes "
+                        "on the next")
     gen.set_defaults(run=run)
 
 

@@ -150,6 +150,9 @@ def serve_orchestrator(args: argparse.Namespace, announce: Callable[[int], None]
     if getattr(args, "ray_address", None):
         ray.init(address=args.ray_address)
     else:
+        from presto_sd.app.reaper import start_reaper
+
+        start_reaper()  # the Ray started here (its agents too) ends with this process, however it ends
         ray.init(include_dashboard=args.ray_dashboard, _metrics_export_port=args.metrics_export_port)
     started: list = []
 

@@ -118,7 +118,7 @@ def orchestrated(args: argparse.Namespace):
     dinfo = orch.drafters.replicas[0].call("info").value  # its name and fitted settings
     params = generation_params(args, vinfo.eos_token_ids, dinfo)
     defaults = ServiceDefaults(params, vinfo.model, dinfo.name or "random", dinfo,
-                               rho=args.rho, lambdas=parse_lambdas(args.lambdas))
+                               rho=args.rho, lambdas=parse_lambdas(args.lambdas), vocab_size=vinfo.vocab_size)
     return orch, defaults, tok
 
 

@@ -5,6 +5,8 @@
 
 With ``--auth-token-file`` the engine servers want a token too: a fresh one, that only
 this ``up``'s orchestrator holds (a 0600 file in a private temp dir, removed on exit).
+Ctrl-C or SIGTERM drains and stops everything; whatever else ends `up` (SIGKILL, a crash),
+its watchdog (``reaper.py``) ends every process it started within a few seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from presto_sd.app.reaper import start_reaper
 from presto_sd.app.serve import add_orchestrator_args, serve_orchestrator
 
 
@@ -89,7 +92,8 @@ class _Child:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `up` dies without cleaning up (Linux prctl PDEATHSIG)."""
+    """In the child: get SIGTERM at once if `up` dies without cleaning up (Linux prctl
+    PDEATHSIG); the reaper's sweep follows for whatever the child started or ignores it."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -106,6 +110,7 @@ def _engine_token_file(folder: Path) -> str:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    start_reaper()  # first: everything started from here on carries the family's mark
     folder = tempfile.mkdtemp(prefix="presto-sd-up-")  # mode 0700
     engine_token = _engine_token_file(Path(folder)) if args.auth_token_file else None
     children = [_Child(kind, args, engine_token) for kind in ("verifier", "drafter")]

@@ -121,6 +121,10 @@ class Verifier(ABC):
         """
         return self.verify(session_id, base, TokenTree.root_only(anchor))
 
+    def max_context(self) -> int:
+        """Its context window: prompt + output tokens a session may hold (``limits``)."""
+        return self.info().limits.max_context
+
     def cost_model(self) -> CostFit | None:
         """The live fit of forward seconds vs tree size and context (None: uncalibrated)."""
         return self.info().cost

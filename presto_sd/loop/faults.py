@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -124,7 +124,20 @@ class VerifierLink:
         self.tokens: list[int] = []  # prompt + committed output; the last is the pending anchor
         self.tried = False  # a prefill was sent: later ones restart it (it may have been applied)
 
-    def prefill(self, prompt_ids: list[int]) -> PrefillResult:
+    def prefill(self, prompt_ids: list[int], resume: Sequence[int] = ()) -> PrefillResult:
+        """The session on the prompt; with ``resume`` (output already sent) on it too, its
+        last token the pending anchor."""
+        if resume:
+            self.tokens = [*prompt_ids, *resume]
+            sampling = self._resumed_sampling()
+
+            def attempt_resumed() -> PrefillResult:
+                restart, self.tried = self.tried, True
+                return self.verifier.prefill(self.sid, self.tokens[:-1], sampling, anchor=self.tokens[-1],
+                                             restart=restart)
+
+            return self._retry(attempt_resumed)
+
         def attempt() -> PrefillResult:
             restart, self.tried = self.tried, True
             return self.verifier.prefill(self.sid, list(prompt_ids), self.sampling, restart=restart)
@@ -132,6 +145,10 @@ class VerifierLink:
         pre = self._retry(attempt)
         self.tokens = [*prompt_ids, pre.anchor]
         return pre
+
+    def max_context(self) -> int:
+        """The verifier's context window (prompt + output), asked once the session is open."""
+        return self._retry(self.verifier.max_context)
 
     def verify(self, base: int, tree: TokenTree | None) -> VerifyResult:
         """Verify ``tree`` (None: one AR step), re-prefilling a lost session first."""

@@ -9,6 +9,10 @@
 It yields tokens as they commit and records per-round stats. ``method="ar"`` runs plain
 AR steps on the verifier: the baseline every method is compared with. Engine faults
 (a drafter down, a verifier restarted) are absorbed by the links of ``faults.py``.
+
+The output never runs past the verifier's context window (``Verifier.max_context``:
+prompt + output): near it the trees get shallower, then plain AR steps, and the stream
+ends with ``finish_reason="length"`` exactly where AR decoding would have to stop.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from presto_sd.engine.drafter import Drafter
+from presto_sd.engine.messages import InvalidArgumentError
 from presto_sd.engine.verifier import Verifier
 from presto_sd.loop.faults import DrafterLink, FaultPolicy, VerifierLink
 from presto_sd.loop.taps_feedback import TapsFeedback
@@ -90,7 +95,7 @@ class GenerationResult:
 
 
 class _Stopper:
-    """Truncates the stream at EOS, a stop string or ``max_new_tokens``."""
+    """Truncates the stream at EOS, a stop string, ``max_new_tokens`` or the context window."""
 
     def __init__(self, params: GenerationParams, detokenize: Callable[[list[int]], str] | None):
         if params.stop_strings and detokenize is None:
@@ -98,10 +103,25 @@ class _Stopper:
         self.params, self.detokenize = params, detokenize
         self.out: list[int] = []
         self.finish_reason: str | None = None
+        self.limit = params.max_new_tokens  # output tokens allowed: the window may lower it
 
     @property
     def remaining(self) -> int:
-        return self.params.max_new_tokens - len(self.out)
+        return self.limit - len(self.out)
+
+    def clamp(self, room: int) -> None:
+        """At most ``room`` output tokens in all (what the context window leaves the prompt)."""
+        self.limit = min(self.limit, room)
+        if self.remaining <= 0 and self.finish_reason is None:
+            self.finish_reason = "length"
+
+    def resume(self, tokens: Sequence[int]) -> None:
+        """Output a client already has: counted as if this stream had produced it."""
+        kept = self.accept(tuple(tokens))
+        if len(kept) < len(tokens):
+            raise InvalidArgumentError(
+                f"resume_token_ids: {len(tokens)} tokens, but the output ends ({self.finish_reason}) "
+                f"at token {len(kept) - 1} (max_new_tokens {self.params.max_new_tokens})")
 
     def accept(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
         kept = []
@@ -128,25 +148,43 @@ def stream_generate(
     params: GenerationParams,
     detokenize: Callable[[list[int]], str] | None = None,
     session_id: str | None = None,
+    resume: Sequence[int] = (),
 ) -> Iterator[TokenChunk]:
-    """Yield committed tokens round by round; sessions are closed however it ends."""
+    """Yield committed tokens round by round; sessions are closed however it ends.
+
+    ``resume``: the output a client already received from a stream that broke. It counts
+    toward ``max_new_tokens`` and the stop conditions; the sessions are prefilled on the
+    prompt and it (its last token the pending anchor, as after a verifier restart) and
+    the stream goes on from there: greedy, exactly the rest of the unbroken stream. The
+    first chunk then carries no tokens (it is the prefill's, ``round`` None).
+    """
     method = get_method(params.method)
     if method.needs_drafter and drafter is None:
         raise ValueError(f"method {params.method!r} needs a drafter")
     sid = session_id or uuid.uuid4().hex
     stopper = _Stopper(params, detokenize)
+    resume = list(resume)
+    if resume:
+        stopper.resume(resume)
+        if stopper.finish_reason is not None:  # the client has it all but the ending
+            yield TokenChunk((), None, stopper.finish_reason)
+            return
     target = VerifierLink(verifier, sid, params.sampling, params.faults)
     draft = DrafterLink(drafter, sid, params.faults) if method.needs_drafter else None
-    pre = target.prefill(list(prompt_ids))
+    pre = target.prefill(list(prompt_ids), resume)
     try:
         if draft is not None:
             draft.prefill(pre.delta)
         anchor, base = pre.anchor, pre.base
-        yield TokenChunk(stopper.accept((anchor,)), None, stopper.finish_reason)
+        # the verifier keeps prompt + output <= max_context; the stopper keeps the loop in it
+        stopper.clamp(target.max_context() - len(prompt_ids))
+        first = () if resume else stopper.accept((anchor,))
+        yield TokenChunk(first, None, stopper.finish_reason)
         tree_params = replace(params.tree, method=params.method)
         taps = TapsFeedback(verifier) if method.sizes_itself else None
         while stopper.finish_reason is None:
-            # the bonus token adds one: never draft deeper than the output can still use
+            # the bonus token adds one: never draft deeper than the output (and the window) can
+            # still use, so the last rounds before the end are shallower trees, then AR steps
             depth = min(tree_params.depth, stopper.remaining - 1)
             t0 = time.perf_counter()
             d = None  # no tree (AR, the last token, TAPS's gate shut, the drafter away): an AR step
