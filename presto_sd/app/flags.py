@@ -99,6 +99,12 @@ def add_serving_args(g: argparse._ArgumentGroup) -> None:
                    help="clients must send 'authorization: Bearer <the file's token>'")
 
 
+def add_reflection_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=None,
+                   help="gRPC server reflection (grpcurl list), which needs no token (default: on, "
+                        "off with --auth-token-file)")
+
+
 def add_drain_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--drain-s", type=float, default=5.0,
                    help="on SIGTERM: NOT_SERVING this long before stopping (default: %(default)s)")
@@ -116,5 +122,5 @@ def server_config(args: argparse.Namespace):
         host=args.host, port=args.port, tls_cert=getattr(args, "tls_cert", None),
         tls_key=getattr(args, "tls_key", None), tls_client_ca=getattr(args, "tls_client_ca", None),
         auth_token=read_token(getattr(args, "auth_token_file", None)),
-        drain_s=args.drain_s, grace_s=args.grace_s, **extra,
+        reflection=getattr(args, "reflection", None), drain_s=args.drain_s, grace_s=args.grace_s, **extra,
     )

@@ -40,6 +40,12 @@ class LimitExceededError(EngineError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class AlreadyExistsError(EngineError):
+    """A request id that is already running."""
+
+    code = "ALREADY_EXISTS"
+
+
 class UnauthenticatedError(EngineError):
     code = "UNAUTHENTICATED"
 

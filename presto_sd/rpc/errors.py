@@ -4,6 +4,7 @@
     SessionNotFoundError  NOT_FOUND            unknown, closed or expired session
     StaleBaseError        FAILED_PRECONDITION  a call built on another committed length
     LimitExceededError    RESOURCE_EXHAUSTED   sessions, context, tree or budget over a limit
+    AlreadyExistsError    ALREADY_EXISTS       a request id that is already running
     UnauthenticatedError  UNAUTHENTICATED      missing or wrong token
     UnavailableError      UNAVAILABLE          model loading; (client side) unreachable
     DeadlineExpiredError  DEADLINE_EXCEEDED    the call's deadline passed before it ran
@@ -16,6 +17,7 @@ from __future__ import annotations
 import grpc
 
 from presto_sd.engine.messages import (
+    AlreadyExistsError,
     EngineError,
     InvalidArgumentError,
     LimitExceededError,
@@ -43,6 +45,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
     grpc.StatusCode.FAILED_PRECONDITION: StaleBaseError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 

@@ -1,9 +1,14 @@
 """The grpc.aio server both services run in (docs/design.md §3).
 
 - Health (``grpc.health.v1``): NOT_SERVING until the engine is loaded, SERVING once it is,
-  NOT_SERVING again while draining (SIGTERM), then a graceful stop. Reflection is on.
+  NOT_SERVING again while draining (SIGTERM), then a graceful stop. At most
+  ``max_health_watches`` Watch streams at once. Reflection: a flag, on by default unless a
+  token is required (it would hand the whole API to unauthenticated peers).
 - One interceptor: the bearer token (health and reflection stay open, for probes and
   tooling), exceptions -> status codes (``errors.status_of``), one JSON log line per call.
+  It parses each request itself (``decoding.py``: grpc only hands it the bytes): a message
+  that does not parse is INVALID_ARGUMENT, one over the wire budget RESOURCE_EXHAUSTED
+  before it is parsed, and a big one is parsed, and its answer serialised, off the loop.
 - Engines are synchronous: each runs its calls one at a time on its own thread (the
   per-engine lock); a call whose deadline passed while it queued is not run.
 - Message limits raised for feature deltas; a session cap (the engine's) and a TTL
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import json
 import logging
 import signal
@@ -30,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from presto_sd.engine.messages import UnauthenticatedError, UnavailableError
+from presto_sd.rpc.decoding import INLINE_BYTES, RawRequest, deferred, off_loop, passing_bytes
 from presto_sd.rpc.errors import DeadlineExpiredError, status_of
 
 log = logging.getLogger("presto_sd.rpc")
@@ -55,6 +62,8 @@ class ServerConfig:
     max_message_mb: int = 512
     drain_s: float = 5.0  # NOT_SERVING but still answering, so load balancers move away
     grace_s: float = 10.0  # then in-flight calls get this long to finish
+    reflection: bool | None = None  # None: on without an auth token, off with one
+    max_health_watches: int = 64  # open health Watch streams (they need no token); more: RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -69,6 +78,12 @@ class ServerConfig:
             raise ValueError("session_ttl_s must be > 0 and max_message_mb in [1, 2047]")
         if self.drain_s < 0 or self.grace_s < 0:
             raise ValueError("drain_s and grace_s must be >= 0")
+        if self.max_health_watches < 0:
+            raise ValueError("max_health_watches must be >= 0")
+
+    @property
+    def reflection_on(self) -> bool:
+        return self.reflection if self.reflection is not None else self.auth_token is None
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if self.tls_cert is None:
@@ -130,41 +145,80 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_METHODS):
-            return handler
+        if handler is None:
+            return None
         method = details.method
-        authorized = self._authorized(details.invocation_metadata)
+        open_method = method.startswith(_OPEN_METHODS)  # no token, and no log line: probes poll
+        authorized = open_method or self._authorized(details.invocation_metadata)
+
+        def guard(context, raw: RawRequest | None):
+            return _guard(method, authorized, context, raw, quiet=open_method)
+
+        serialize = passing_bytes(handler.response_serializer)
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
-            async def call(request, context):
-                async with _guard(method, authorized, request, context) as record:
-                    response = await inner(request, context)
-                    record["bytes_out"] = response.ByteSize()
-                    return response
+            async def call(raw: RawRequest, context):
+                async with guard(context, raw) as record:
+                    record.request = await off_loop(len(raw.data), raw.message)
+                    response = await inner(record.request, context)
+                    record.bytes_out = response.ByteSize()
+                    if record.bytes_out <= INLINE_BYTES:
+                        return response
+                    return await off_loop(record.bytes_out, serialize, response)
 
             wrap = grpc.unary_unary_rpc_method_handler
-        elif handler.unary_stream is not None:  # server streaming (the orchestrator's Generate)
-            inner = handler.unary_stream
+        elif handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner = handler.unary_stream  # server streaming (the orchestrator's Generate)
 
-            async def call(request, context):
-                async with _guard(method, authorized, request, context) as record:
-                    async for response in inner(request, context):
-                        record["bytes_out"] += response.ByteSize()
+            async def call(raw: RawRequest, context):
+                async with guard(context, raw) as record:
+                    record.request = await off_loop(len(raw.data), raw.message)
+                    async for response in inner(record.request, context):
+                        record.bytes_out += response.ByteSize()
                         yield response
 
             wrap = grpc.unary_stream_rpc_method_handler
+        elif handler.unary_stream is not None:  # streaming by context.write (health's Watch)
+            inner = handler.unary_stream
+
+            async def call(raw: RawRequest, context):
+                async with guard(context, raw) as record:
+                    record.request = raw.message()
+                    await inner(record.request, context)
+
+            wrap = grpc.unary_stream_rpc_method_handler
+        elif handler.stream_stream is not None:  # reflection: small requests, parsed as they come
+            inner = handler.stream_stream
+
+            async def call(raws, context):
+                async def requests():
+                    async for raw in raws:
+                        yield raw.message()
+
+                async with guard(context, None):
+                    async for response in inner(requests(), context):
+                        yield response
+
+            wrap = grpc.stream_stream_rpc_method_handler
         else:
             return handler
-        return wrap(call, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return wrap(call, request_deserializer=deferred(handler.request_deserializer),
+                    response_serializer=serialize)
+
+
+@dataclass
+class _CallRecord:
+    request: Any = None  # the parsed request, once it parsed
+    bytes_out: int = 0
 
 
 @contextlib.asynccontextmanager
-async def _guard(method: str, authorized: bool, request, context: grpc.aio.ServicerContext):
-    """One call's auth, exception -> status, and its JSON log line."""
+async def _guard(method: str, authorized: bool, context: grpc.aio.ServicerContext, raw: RawRequest | None,
+                 quiet: bool = False):
+    """One call's auth, exception -> status, and its JSON log line (``quiet``: none)."""
     t0, code, message = time.perf_counter(), grpc.StatusCode.OK, ""
-    record = {"bytes_out": 0}
+    record = _CallRecord()
     try:
         if not authorized:
             raise UnauthenticatedError("missing or wrong bearer token (metadata 'authorization')")
@@ -180,15 +234,35 @@ async def _guard(method: str, authorized: bool, request, context: grpc.aio.Servi
             log.exception("%s failed", method)
         await context.abort(code, message)
     finally:
-        log.info(json.dumps({
-            "event": "call", "method": method, "code": code.name,
-            "ms": round(1e3 * (time.perf_counter() - t0), 2), "session": _session_of(request),
-            "peer": context.peer(), "bytes_in": request.ByteSize(), "bytes_out": record["bytes_out"],
-            **({"error": message} if message else {}),
-        }))
+        if not quiet:
+            log.info(json.dumps({
+                "event": "call", "method": method, "code": code.name,
+                "ms": round(1e3 * (time.perf_counter() - t0), 2), "session": _session_of(record.request),
+                "peer": context.peer(), "bytes_in": len(raw.data) if raw is not None else 0,
+                "bytes_out": record.bytes_out, **({"error": message} if message else {}),
+            }))
 
 
 # -- the server -------------------------------------------------------------------------
+class BoundedHealthServicer(health.aio.HealthServicer):
+    """``grpc.health.v1`` with at most ``max_watches`` Watch streams open: they need no token,
+    and each holds a call open for as long as its peer likes."""
+
+    def __init__(self, max_watches: int) -> None:
+        super().__init__()
+        self.max_watches, self.watches = max_watches, 0
+
+    async def Watch(self, request, context) -> None:
+        if self.watches >= self.max_watches:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_watches} health Watch streams open (max); use Check")
+        self.watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watches -= 1
+
+
 class GrpcServer:
     """One service (its servicer is an ``EngineHost``) + health + reflection."""
 
@@ -207,10 +281,11 @@ class GrpcServer:
             interceptors=[CallInterceptor(c.auth_token)], options=message_options(c.max_message_mb)
         )
         self.add_to_server(self.servicer, self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = BoundedHealthServicer(c.max_health_watches)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        if c.reflection_on:
+            names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
         address = f"{c.host}:{c.port}"
         creds = c.credentials()
         if creds is not None:
@@ -224,7 +299,8 @@ class GrpcServer:
         for name in ("", self.service_name):
             await self.health.set(name, NOT_SERVING)
         log.info(json.dumps({"event": "listening", "service": self.service_name, "host": c.host,
-                             "port": port, "tls": creds is not None, "auth": bool(c.auth_token)}))
+                             "port": port, "tls": creds is not None, "auth": bool(c.auth_token),
+                             "reflection": c.reflection_on}))
         return port
 
     async def attach(self, engine: Any) -> None:
