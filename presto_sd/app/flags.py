@@ -32,7 +32,7 @@ def add_tree_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 = greedy") -> None:
+def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 (or below 1e-5) = greedy") -> None:
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--temperature", type=float, default=0.0, help=greedy_help)
