@@ -36,10 +36,10 @@ from presto_sd.method.scores import (
 from presto_sd.method.taps import choose_budget, round_seconds
 from presto_sd.method.tree import TokenTree
 
-# The most candidates per position (top_k) and frontier paths (beam, branching) a tree may
-# ask for: the drafter's scoring work grows with them (budget 1024 and top_k 49152 took
-# 5 s of CPU a round); 256 keeps the worst case near that of the budget alone.
-MAX_CANDIDATES = 256
+# The most candidates per position (top_k) and paths (branching, beam) a tree may ask for:
+# the drafter's scoring work grows with them (budget 1024 with top_k 49152 took 5 s of CPU
+# a round, beam 256 x branching 256 3 s); at 64 the worst stays near the budget's own cost.
+MAX_CANDIDATES = 64
 
 
 @dataclass(frozen=True)
