@@ -5,7 +5,8 @@ A request's unset fields take the server's defaults (``ServiceDefaults``: the fl
 status codes in the server's one interceptor (``presto_sd.rpc.server``); a client that
 cancels a ``Generate`` stream cancels the request, which closes both of its sessions.
 ``GenerateBatch`` answers each item in its slot: its result, or its own error. A prompt's
-size is checked before it is read, and requests are converted (tokenised) off the event loop.
+size is checked before it is read, and requests are converted (tokenised) on one thread of
+their own: off the event loop, and one at a time (the tokenizer is not safe to share).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
@@ -27,7 +29,6 @@ from presto_sd.engine.messages import InvalidArgumentError, LimitExceededError
 from presto_sd.loop.generate import GenerationParams, ResultCollector
 from presto_sd.method.methods import METHOD_NAMES, get_method
 from presto_sd.models.loading import encode_messages
-from presto_sd.rpc.decoding import off_loop
 from presto_sd.rpc.errors import status_of
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import (
@@ -149,10 +150,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
         EngineHost.__init__(self, "orchestrator")
         self.defaults: ServiceDefaults | None = None  # set by the loader, with the tokenizer
         self.tokenizer = None
+        self._requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-requests")
 
     async def job(self, msg: pb.GenerateRequest) -> GenerateJob:
-        """``job_from_pb``, off the event loop for a big request (tokenising a long prompt)."""
-        return await off_loop(msg.ByteSize(), job_from_pb, msg, self.defaults, self.tokenizer)
+        """``job_from_pb`` on the requests' thread (tokenising a long prompt takes a while)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._requests, job_from_pb, msg, self.defaults, self.tokenizer)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._requests.shutdown(wait=False, cancel_futures=True)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
