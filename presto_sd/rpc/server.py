@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from presto_sd.engine.messages import UnauthenticatedError, UnavailableError
-from presto_sd.rpc.decoding import INLINE_BYTES, RawRequest, deferred, off_loop, passing_bytes
+from presto_sd.rpc.decoding import RawRequest, deferred, off_loop, passing_bytes
 from presto_sd.rpc.errors import DeadlineExpiredError, status_of
 
 log = logging.getLogger("presto_sd.rpc")
@@ -163,9 +163,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                     record.request = await off_loop(len(raw.data), raw.message)
                     response = await inner(record.request, context)
                     record.bytes_out = response.ByteSize()
-                    if record.bytes_out <= INLINE_BYTES:
-                        return response
-                    return await off_loop(record.bytes_out, serialize, response)
+                    return await off_loop(record.bytes_out, serialize, response)  # bytes
 
             wrap = grpc.unary_unary_rpc_method_handler
         elif handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
