@@ -15,6 +15,7 @@ import grpc
 from drafter_service import wire
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from presto_sd.engine.messages import EngineError, InvalidArgumentError
+from presto_sd.rpc.decoding import off_loop
 from presto_sd.rpc.server import EngineHost
 from presto_sd.rpc.wire import delta_from_pb, session_id_from, session_ref_from_pb, tree_params_from_pb
 
@@ -28,7 +29,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
 
     async def Prefill(self, request, context: grpc.aio.ServicerContext):
         sid = self.session_key(session_id_from(request.session_id))
-        base = await self.run(context, "prefill", sid, delta_from_pb(request.delta), request.restart)
+        delta = await off_loop(request.delta.ByteSize(), delta_from_pb, request.delta)  # a prompt's features
+        base = await self.run(context, "prefill", sid, delta, request.restart)
         return drafter_pb2.DrafterPrefillResponse(base=base)
 
     async def Draft(self, request, context: grpc.aio.ServicerContext):
@@ -47,7 +49,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
 
     async def Commit(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
-        delta = delta_from_pb(request.delta)
+        delta = await off_loop(request.delta.ByteSize(), delta_from_pb, request.delta)
         if delta.start != base:
             raise InvalidArgumentError(f"delta.start = {delta.start}: must equal session.base = {base}")
         base = await self.run(context, "commit", self.session_key(sid), delta)

@@ -3,7 +3,7 @@
     client = OrchestratorClient("127.0.0.1:50050")
     for chunk in client.generate("Write a haiku.", max_new_tokens=64):
         print(chunk.text, end="")
-    results = client.generate_batch(["2+2?", [0, 3, 5]], method="presto-beam")
+    results = client.generate_batch(["2+2?", [0, 3, 5]], method="presto-beam")  # result or error each
 
 Prompts are text (one user message, chat template applied server-side), chat messages
 (``[{"role": "user", "content": ...}, ...]``) or token ids. Unset options take the
@@ -32,9 +32,9 @@ from orchestrator.pb import Prompt, chunk_from_pb, make_request
 from orchestrator.requests import StreamChunk
 from presto_pb.v1 import common_pb2, orchestrator_pb2_grpc
 from presto_pb.v1 import orchestrator_pb2 as pb
-from presto_sd.engine.messages import UnavailableError
+from presto_sd.engine.messages import EngineError, UnavailableError
 from presto_sd.rpc.client import ClientConfig, RpcClient
-from presto_sd.rpc.errors import error_from_rpc
+from presto_sd.rpc.errors import error_from_rpc, error_from_status
 
 _RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -91,10 +91,15 @@ class OrchestratorClient:
             time.sleep(min(pause, max(0.0, give_up - time.monotonic())))
             pause = min(2 * pause, 2.0)
 
-    def generate_batch(self, prompts: Sequence[Prompt], **options: Any) -> list[pb.GenerateResult]:
-        """Every prompt with the same options, run concurrently; the results in order."""
+    def generate_batch(
+        self, prompts: Sequence[Prompt], **options: Any
+    ) -> list[pb.GenerateResult | EngineError]:
+        """Every prompt with the same options, run concurrently; in order, each its result or
+        the named error a ``generate`` of it would raise (a bad prompt fails only its slot)."""
         request = pb.GenerateBatchRequest(requests=[make_request(p, **options) for p in prompts])
-        return list(self.rpc.call(self.stub.GenerateBatch, request, self.timeout_s).results)
+        results = self.rpc.call(self.stub.GenerateBatch, request, self.timeout_s).results
+        return [error_from_status(r.error.code, r.error.message, UnavailableError)
+                if r.HasField("error") else r for r in results]
 
     def info(self) -> pb.OrchestratorInfo:
         return self.rpc.call(self.stub.Info, common_pb2.InfoRequest(), 30.0)

@@ -28,7 +28,7 @@ from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool, Timeouts
 from orchestrator.requests import ChunkStats, GenerateJob, StreamChunk
 from orchestrator.routing import Route, RoutedDrafter, RoutedVerifier
-from presto_sd.engine.messages import EngineError, LimitExceededError
+from presto_sd.engine.messages import AlreadyExistsError, EngineError, LimitExceededError
 from presto_sd.loop.generate import TokenChunk, stream_generate
 from presto_sd.method.methods import get_method
 
@@ -146,10 +146,10 @@ class Orchestrator:
     # -- requests -----------------------------------------------------------------------
     def submit(self, job: GenerateJob, sink: Callable[[object], None]) -> RequestStream:
         with self._lock:
+            if job.key in self.requests:  # request ids are per principal: another's never collides
+                raise AlreadyExistsError(f"request_id {job.request_id!r}: a request with this id is running")
             if len(self.requests) >= self.config.max_requests:
                 raise LimitExceededError(f"orchestrator: {self.config.max_requests} requests running (max)")
-            if job.key in self.requests:  # request ids are per principal: another's never collides
-                raise LimitExceededError(f"request {job.request_id!r} is already running")
             stream = RequestStream(self, job, sink)
             self.requests[job.key] = stream
             self.metrics.active(len(self.requests))

@@ -4,12 +4,17 @@ A request's unset fields take the server's defaults (``ServiceDefaults``: the fl
 ``presto-sd serve orchestrator`` and the drafter's fitted PRESTO settings). Errors become
 status codes in the server's one interceptor (``presto_sd.rpc.server``); a client that
 cancels a ``Generate`` stream cancels the request, which closes both of its sessions.
+``GenerateBatch`` answers each item in its slot: its result, or its own error. A prompt's
+size is checked before it is read, and requests are converted (tokenised) on one thread of
+their own: off the event loop, and one at a time (the tokenizer is not safe to share).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
@@ -20,13 +25,16 @@ from orchestrator.requests import GenerateJob
 from presto_pb.v1 import orchestrator_pb2 as pb
 from presto_pb.v1 import orchestrator_pb2_grpc
 from presto_sd.engine.drafter import DrafterInfo
-from presto_sd.engine.messages import InvalidArgumentError
+from presto_sd.engine.messages import InvalidArgumentError, LimitExceededError
 from presto_sd.loop.generate import GenerationParams, ResultCollector
 from presto_sd.method.methods import METHOD_NAMES, get_method
 from presto_sd.models.loading import encode_messages
+from presto_sd.rpc.errors import status_of
 from presto_sd.rpc.principals import ANONYMOUS
 from presto_sd.rpc.server import EngineHost, current_principal
 from presto_sd.rpc.wire import (
+    MAX_TOKENS,
+    check_length,
     sampling_from_pb,
     session_id_from,
     tree_params_from_pb,
@@ -36,6 +44,10 @@ from presto_sd.rpc.wire import (
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 add_to_server = orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server
 ROLES = ("system", "user", "assistant")
+MAX_PROMPT_CHARS = 1 << 22  # text, or the chat messages' contents together (4 Mi characters)
+MAX_MESSAGES = 1024
+MAX_STOP, MAX_STOP_CHARS = 16, 1024  # stop strings: each is searched for after every token
+log = logging.getLogger("orchestrator")
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
     if which is None:
         raise InvalidArgumentError("prompt: set one of text, messages, token_ids")
     if which == "token_ids":
+        check_length(len(msg.token_ids.ids), MAX_TOKENS, "token_ids.ids")
         ids = list(msg.token_ids.ids)
     else:
         if tokenizer is None:
@@ -72,11 +85,15 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
         if which == "text":
             messages = [{"role": "user", "content": msg.text}]
         else:
+            check_length(len(msg.messages.messages), MAX_MESSAGES, "messages")
             messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
             bad = next((i for i, m in enumerate(messages) if m["role"] not in ROLES), None)
             if bad is not None:
                 raise InvalidArgumentError(
                     f"messages[{bad}].role = {messages[bad]['role']!r}: one of {', '.join(ROLES)}")
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > MAX_PROMPT_CHARS:
+            raise LimitExceededError(f"{which}: {chars} characters, more than the limit {MAX_PROMPT_CHARS}")
         ids = encode_messages(tokenizer, messages, chat=not msg.no_chat)
     if not ids:
         raise InvalidArgumentError(f"{which}: the prompt is empty")
@@ -91,6 +108,8 @@ def _given(msg) -> set[str]:
 def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer,
                 principal: str = ANONYMOUS) -> GenerateJob:
     d = defaults.params
+    if len(msg.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in msg.stop[:MAX_STOP]):
+        raise InvalidArgumentError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
     method = msg.method if msg.HasField("method") else d.method
     if method not in METHOD_NAMES:
         raise InvalidArgumentError(f"method = {method!r}: one of {', '.join(METHOD_NAMES)}")
@@ -147,10 +166,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
         EngineHost.__init__(self, "orchestrator")
         self.defaults: ServiceDefaults | None = None  # set by the loader, with the tokenizer
         self.tokenizer = None
+        self._requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-requests")
+
+    async def job(self, msg: pb.GenerateRequest) -> GenerateJob:
+        """``job_from_pb`` on the requests' thread (tokenising a long prompt takes a while)."""
+        loop = asyncio.get_running_loop()
+        principal = current_principal()  # the call's, read here: executor threads do not inherit it
+        return await loop.run_in_executor(self._requests, job_from_pb, msg, self.defaults, self.tokenizer,
+                                          principal)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._requests.shutdown(wait=False, cancel_futures=True)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
-        job = job_from_pb(request, self.defaults, self.tokenizer, current_principal())
+        job = await self.job(request)
         tree = tree_params_to_pb(job.params.tree)  # told once, with the first chunk
         async for chunk in orch.astream(job):
             yield chunk_to_pb(chunk, job.request_id, tree)
@@ -158,10 +189,23 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
-        jobs = [job_from_pb(r, self.defaults, self.tokenizer, current_principal()) for r in request.requests]
-        async with asyncio.TaskGroup() as group:  # one failure cancels the rest
-            tasks = [group.create_task(collect(orch, job)) for job in jobs]
-        return pb.GenerateBatchResponse(results=[t.result() for t in tasks])
+        n, cap = len(request.requests), orch.config.max_requests
+        if n > cap:  # they could not all run: refused before any is read
+            raise LimitExceededError(f"generate_batch: {n} requests, more than --max-requests {cap}")
+        # a cancelled call cancels every item (gather cancels its children)
+        results = await asyncio.gather(*(self._batch_item(orch, r) for r in request.requests))
+        return pb.GenerateBatchResponse(results=results)
+
+    async def _batch_item(self, orch: Orchestrator, msg: pb.GenerateRequest) -> pb.GenerateResult:
+        """One item to the end, or the status a ``Generate`` of it would end with, in its slot."""
+        try:
+            return await collect(orch, await self.job(msg))
+        except Exception as exc:  # noqa: BLE001 - one item's failure is its own answer
+            code, message = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("GenerateBatch item failed")
+            error = pb.ItemError(code=code.name, message=message)
+            return pb.GenerateResult(request_id=msg.request_id, error=error)
 
     async def Info(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()

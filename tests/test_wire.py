@@ -75,7 +75,8 @@ def test_bad_sampling_names_the_field(msg, needle):
 @pytest.mark.parametrize("msg,needle", [
     (pb.TreeParams(budget=0), "tree.budget"),
     (pb.TreeParams(lambdas=[float("inf")]), "tree.lambdas"),
-    (pb.TreeParams(beam=0), "tree.branching, tree.beam"),
+    (pb.TreeParams(beam=0), "tree.beam = 0"),
+    (pb.TreeParams(top_k=65), r"tree.top_k = 65: must be in \[1, 64\]"),
 ])
 def test_bad_tree_params_name_the_field(msg, needle):
     with pytest.raises(InvalidArgumentError, match=needle):

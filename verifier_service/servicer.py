@@ -3,6 +3,8 @@
 Errors become status codes in the server's one interceptor (``presto_sd.rpc.server``).
 Session ids are keyed by the caller's principal (``EngineHost.session_key``); a call
 whose response could pass the message limit is refused before it runs (``wire``'s bounds).
+Sizes (prompt tokens, tree nodes, batch items) are checked against the engine's limits
+before anything is built from a request: an oversized one is refused at once.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from dataclasses import replace
 import grpc
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from presto_sd.engine.messages import EngineError
-from presto_sd.engine.verifier import VerifyCall
+from presto_sd.engine.messages import EngineError, LimitExceededError
+from presto_sd.engine.verifier import VerifierLimits, VerifyCall
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.tree import TokenTree
 from presto_sd.rpc.server import EngineHost
@@ -31,7 +33,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
     def _row_bytes(self) -> int:
         return self.ready().feature_row_bytes
 
+    def limits(self) -> VerifierLimits:
+        return self.ready().info().limits
+
     async def Prefill(self, request, context: grpc.aio.ServicerContext):
+        n, max_context = len(request.token_ids), self.limits().max_context
+        if n + 1 > max_context:  # the engine's rule, before the list is built
+            raise LimitExceededError(f"prefill: {n} tokens exceed max_context {max_context}")
         sid = self.session_key(session_id_from(request.session_id))
         sampling = sampling_from_pb(request.sampling) if request.HasField("sampling") else SamplingParams()
         anchor = request.anchor if request.HasField("anchor") else None
@@ -42,14 +50,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
 
     async def Verify(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)
-        call = VerifyCall(self.session_key(sid), base, tree_from_pb(request.tree), request.want_node_probs)
+        tree = tree_from_pb(request.tree, max_nodes=self.limits().tree.max_nodes)
+        call = VerifyCall(self.session_key(sid), base, tree, request.want_node_probs)
         self.check_response(wire.verify_response_bound(call, self._row_bytes()), "verify")
         res = await self.run(context, "verify", call.session_id, base, call.tree, call.want_node_probs)
         return wire.verify_result_to_pb(res)
 
     async def VerifyBatch(self, request, context: grpc.aio.ServicerContext):
+        limits = self.limits()
+        if len(request.items) > limits.max_sessions:  # items name distinct sessions
+            raise LimitExceededError(
+                f"verify_batch: {len(request.items)} items, more than the {limits.max_sessions} sessions "
+                "this verifier holds")
         items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
-                 for c in wire.verify_calls_from_pb(request)]  # a malformed item: its own error
+                 for c in wire.verify_calls_from_pb(request, limits.tree.max_nodes)]  # malformed: its own error
         calls = [c for c in items if isinstance(c, VerifyCall)]
         row = self._row_bytes()
         bound = sum(wire.verify_response_bound(c, row) for c in calls)

@@ -87,9 +87,9 @@ def verify_call_to_pb(c: VerifyCall) -> pb.VerifyRequest:
     )
 
 
-def verify_call_from_pb(msg: pb.VerifyRequest) -> VerifyCall:
+def verify_call_from_pb(msg: pb.VerifyRequest, max_nodes: int | None = None) -> VerifyCall:
     session_id, base = session_ref_from_pb(msg.session)
-    return VerifyCall(session_id, base, tree_from_pb(msg.tree), msg.want_node_probs)
+    return VerifyCall(session_id, base, tree_from_pb(msg.tree, max_nodes=max_nodes), msg.want_node_probs)
 
 
 # -- VerifyBatch: per item, its result or its own status ---------------------------------
@@ -97,12 +97,14 @@ def verify_batch_request_to_pb(calls: Sequence[VerifyCall]) -> pb.VerifyBatchReq
     return pb.VerifyBatchRequest(items=[verify_call_to_pb(c) for c in calls])
 
 
-def verify_calls_from_pb(msg: pb.VerifyBatchRequest) -> list[VerifyCall | EngineError]:
+def verify_calls_from_pb(
+    msg: pb.VerifyBatchRequest, max_nodes: int | None = None
+) -> list[VerifyCall | EngineError]:
     """Each item as a call, or the error its malformed message gets (its slot, not the batch's)."""
     out: list[VerifyCall | EngineError] = []
     for item in msg.items:
         try:
-            out.append(verify_call_from_pb(item))
+            out.append(verify_call_from_pb(item, max_nodes))
         except EngineError as e:
             out.append(e)
     return out

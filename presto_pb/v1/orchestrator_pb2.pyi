@@ -96,7 +96,7 @@ class GenerateBatchRequest(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "rounds", "tau", "mean_tree_size", "fallback_rounds", "prefill_s", "decode_s")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "rounds", "tau", "mean_tree_size", "fallback_rounds", "prefill_s", "decode_s", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class GenerateResult(_message.Message):
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -117,7 +118,16 @@ class GenerateResult(_message.Message):
     fallback_rounds: int
     prefill_s: float
     decode_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rounds: _Optional[int] = ..., tau: _Optional[float] = ..., mean_tree_size: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ...) -> None: ...
+    error: ItemError
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rounds: _Optional[int] = ..., tau: _Optional[float] = ..., mean_tree_size: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class ItemError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
     __slots__ = ("results",)

@@ -63,7 +63,8 @@ class OrchestratorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateBatch(self, request, context):
-        """Several prompts at once (they run concurrently); the answers in the requests' order.
+        """Several prompts at once (they run concurrently); the answers in the requests' order,
+        each its result or its own error (a bad item never fails the others).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -32,7 +32,7 @@ def add_tree_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 = greedy") -> None:
+def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 (or below 1e-5) = greedy") -> None:
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--temperature", type=float, default=0.0, help=greedy_help)
@@ -100,6 +100,12 @@ def add_serving_args(g: argparse._ArgumentGroup) -> None:
                         "each 'name:token' (a principal: sessions are its own) or one bare token")
 
 
+def add_reflection_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=None,
+                   help="gRPC server reflection (grpcurl list), which needs no token (default: on, "
+                        "off with --auth-token-file)")
+
+
 def add_drain_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--drain-s", type=float, default=5.0,
                    help="on SIGTERM: NOT_SERVING this long before stopping (default: %(default)s)")
@@ -118,5 +124,5 @@ def server_config(args: argparse.Namespace):
         host=args.host, port=args.port, tls_cert=getattr(args, "tls_cert", None),
         tls_key=getattr(args, "tls_key", None), tls_client_ca=getattr(args, "tls_client_ca", None),
         auth_tokens=read_tokens(token_file) if token_file else (),
-        drain_s=args.drain_s, grace_s=args.grace_s, **extra,
+        reflection=getattr(args, "reflection", None), drain_s=args.drain_s, grace_s=args.grace_s, **extra,
     )

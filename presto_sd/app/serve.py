@@ -18,6 +18,7 @@ from presto_sd.app.flags import (
     add_drain_args,
     add_generation_args,
     add_model_args,
+    add_reflection_arg,
     add_serving_args,
     server_config,
 )
@@ -29,13 +30,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, what in (("drafter", "the DFlash drafter (needs the target's embeddings and lm_head)"),
                        ("verifier", "the target model, verifying draft trees")):
         p = ssub.add_parser(name, help=f"serve {what}", description=f"Serve {what} over gRPC "
-                            "(presto.v1; health and reflection on). SIGTERM drains, then stops.")
+                            "(presto.v1; health, and reflection unless a token is required). SIGTERM drains, "
+                            "then stops.")
         p.add_argument("--port", type=int, required=True, help="0 = any free port (logged)")
         p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 or [::] to serve "
                        "other machines (default: %(default)s)")
         add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)", "DFlash drafter dir, or "
                        "'random' (the verifier reads its target_layer_ids)", group=False)
         add_serving_args(p)
+        add_reflection_arg(p)
         p.add_argument("--max-sessions", type=int, default=64, help="(default: %(default)s)")
         p.add_argument("--session-ttl-s", type=float, default=600.0,
                        help="close sessions idle this long (default: %(default)s)")
@@ -61,6 +64,7 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
     p.add_argument("--port", type=int, default=50050 if up else None, required=not up,
                    help="the orchestrator's port; 0 = any free port (logged)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    add_reflection_arg(p)  # up: its servers' too
     if not up:
         e = p.add_argument_group("engines (default: one in-process drafter and verifier, each an actor)")
         e.add_argument("--drafter-addr", default=None, help="HOST:PORT[,HOST:PORT...] of drafter servers")

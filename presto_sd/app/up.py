@@ -37,18 +37,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # -- presto-sd up -----------------------------------------------------------------------
+def child_command(kind: str, args: argparse.Namespace, token_file: str | None = None) -> list[str]:
+    """``presto-sd serve KIND`` as ``up`` starts it, with the flags of ``up`` it shares."""
+    cmd = [sys.executable, "-m", "presto_sd.app.cli", "serve", kind, "--port", "0",
+           "--drain-s", str(args.drain_s), "--grace-s", str(args.grace_s)]
+    passed = (("--target", args.target), ("--drafter", args.drafter), ("--threads", args.threads),
+              ("--auth-token-file", token_file))
+    for flag, value in passed:
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.reflection is not None:
+        cmd.append("--reflection" if args.reflection else "--no-reflection")
+    return cmd
+
+
 class _Child:
     """A server subprocess; its stderr is passed through, its JSON events are watched."""
 
     def __init__(self, kind: str, args: argparse.Namespace, token_file: str | None = None,
                  echo: bool = True) -> None:
-        cmd = [sys.executable, "-m", "presto_sd.app.cli", "serve", kind, "--port", "0",
-               "--drain-s", str(args.drain_s), "--grace-s", str(args.grace_s)]
-        passed = (("--target", args.target), ("--drafter", args.drafter), ("--threads", args.threads),
-                  ("--auth-token-file", token_file))
-        for flag, value in passed:
-            if value is not None:
-                cmd += [flag, str(value)]
+        cmd = child_command(kind, args, token_file)
         self.kind, self.events, self.echo = kind, {}, echo
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,

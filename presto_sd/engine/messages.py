@@ -42,7 +42,7 @@ class LimitExceededError(EngineError):
 
 
 class AlreadyExistsError(EngineError):
-    """A Prefill on an id that is open, without ``restart``."""
+    """A Prefill on an id that is open, without ``restart``; a request id already running."""
 
     code = "ALREADY_EXISTS"
 

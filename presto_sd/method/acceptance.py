@@ -8,6 +8,7 @@ target's own samples, whatever the tree, because the tree is fixed before ``x`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,18 +16,24 @@ import torch
 
 from presto_sd.method.tree import TokenTree
 
+# Temperatures below this are greedy (stored as 0), as in vLLM: the limit of T -> 0 is the
+# argmax, and logits / T would overflow to inf (then NaN probabilities) long before T = 0.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"sampling.temperature = {self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"sampling.temperature = {self.temperature}: must be finite and >= 0")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise ValueError(f"sampling.top_p = {self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k = {self.top_k}: must be >= 0")
@@ -51,8 +58,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        # keep the smallest prefix whose mass reaches top_p; the first token always stays,
+        # even for a top_p that rounds to 0 in float32 (1e-300: greedy in the limit)
         drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

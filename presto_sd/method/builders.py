@@ -36,6 +36,11 @@ from presto_sd.method.scores import (
 from presto_sd.method.taps import choose_budget, round_seconds
 from presto_sd.method.tree import TokenTree
 
+# The most candidates per position (top_k) and paths (branching, beam) a tree may ask for:
+# the drafter's scoring work grows with them (budget 1024 with top_k 49152 took 5 s of CPU
+# a round, beam 256 x branching 256 3 s); at 64 the worst stays near the budget's own cost.
+MAX_CANDIDATES = 64
+
 
 @dataclass(frozen=True)
 class TreeParams:
@@ -63,8 +68,10 @@ class TreeParams:
             raise ValueError(f"tree.budget = {self.budget}: must be >= 1")
         if self.depth < 1:
             raise ValueError(f"tree.depth = {self.depth}: must be >= 1")
-        if self.branching < 1 or self.beam < 1 or self.top_k < 1:
-            raise ValueError("tree.branching, tree.beam and tree.top_k must be >= 1")
+        for name in ("top_k", "branching", "beam"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_CANDIDATES:
+                raise ValueError(f"tree.{name} = {value}: must be in [1, {MAX_CANDIDATES}]")
         if not self.lambdas or any(lam < 0 for lam in self.lambdas):
             raise ValueError(f"tree.lambdas = {self.lambdas}: must be non-empty and >= 0")
         for name in ("draft_s", "node_penalty_s", "depth_penalty", "shared_tokens"):

@@ -5,7 +5,8 @@
     StaleBaseError        FAILED_PRECONDITION  a call built on another committed length
     LimitExceededError    RESOURCE_EXHAUSTED   sessions, KV bytes, context, tree, response or budget
                                                over a limit
-    AlreadyExistsError    ALREADY_EXISTS       a Prefill on an open session id, without restart
+    AlreadyExistsError    ALREADY_EXISTS       a Prefill on an open session id, without restart; a
+                                               request id that is already running
     UnauthenticatedError  UNAUTHENTICATED      missing or wrong token
     UnavailableError      UNAVAILABLE          model loading; (client side) unreachable
     DeadlineExpiredError  DEADLINE_EXCEEDED    the call's deadline passed before it ran

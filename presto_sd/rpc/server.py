@@ -1,11 +1,16 @@
 """The grpc.aio server both services run in (docs/design.md §3).
 
 - Health (``grpc.health.v1``): NOT_SERVING until the engine is loaded, SERVING once it is,
-  NOT_SERVING again while draining (SIGTERM), then a graceful stop. Reflection is on.
+  NOT_SERVING again while draining (SIGTERM), then a graceful stop. At most
+  ``max_health_watches`` Watch streams at once. Reflection: a flag, on by default unless a
+  token is required (it would hand the whole API to unauthenticated peers).
 - One interceptor: the caller's principal (``principals``: its bearer token, else its
   client certificate, else ``anonymous``; health and reflection stay open, for probes and
   tooling), exceptions -> status codes (``errors.status_of``), one JSON log line per call,
-  which names a session by a short hash (``session_tag``), never by its id.
+  which names a session by a short hash (``session_tag``), never by its id. It parses
+  each request itself (``decoding.py``: grpc only hands it the bytes): a message that does
+  not parse is INVALID_ARGUMENT, one over the wire budget RESOURCE_EXHAUSTED before it is
+  parsed, and a big one is parsed, and its answer serialised, off the loop.
 - Sessions are the principal's: a servicer keys each by ``<principal>/<session_id>``
   (``EngineHost.session_key``), so another principal's calls never find it (NOT_FOUND).
 - Engines are synchronous: each runs its calls one at a time on its own thread (the
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import json
 import logging
 import signal
@@ -36,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from presto_sd.engine.messages import LimitExceededError, UnauthenticatedError, UnavailableError, session_tag
+from presto_sd.rpc.decoding import RawRequest, deferred, off_loop, passing_bytes
 from presto_sd.rpc.errors import DeadlineExpiredError, status_of
 from presto_sd.rpc.principals import ANONYMOUS, DEFAULT, Principals
 
@@ -69,6 +76,8 @@ class ServerConfig:
     max_message_mb: int = 512
     drain_s: float = 5.0  # NOT_SERVING but still answering, so load balancers move away
     grace_s: float = 10.0  # then in-flight calls get this long to finish
+    reflection: bool | None = None  # None: on without an auth token, off with one
+    max_health_watches: int = 64  # open health Watch streams (they need no token); more: RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -83,6 +92,12 @@ class ServerConfig:
             raise ValueError("session_ttl_s must be > 0 and max_message_mb in [1, 2047]")
         if self.drain_s < 0 or self.grace_s < 0:
             raise ValueError("drain_s and grace_s must be >= 0")
+        if self.max_health_watches < 0:
+            raise ValueError("max_health_watches must be >= 0")
+
+    @property
+    def reflection_on(self) -> bool:
+        return self.reflection if self.reflection is not None else self.principals() is None
 
     def principals(self) -> Principals | None:
         """The principals known by token; None: no token needed."""
@@ -190,40 +205,78 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_METHODS):
-            return handler
+        if handler is None:
+            return None
         method, metadata = details.method, details.invocation_metadata
+        open_method = method.startswith(_OPEN_METHODS)  # no token, and no log line: probes poll
+
+        def guard(context, raw: RawRequest | None):
+            principal = ANONYMOUS if open_method else self._principal(metadata, context)
+            return _guard(method, principal, context, raw, quiet=open_method)
+
+        serialize = passing_bytes(handler.response_serializer)
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
-            async def call(request, context):
-                async with _guard(method, self._principal(metadata, context), request, context) as record:
-                    response = await inner(request, context)
-                    record["bytes_out"] = response.ByteSize()
-                    return response
+            async def call(raw: RawRequest, context):
+                async with guard(context, raw) as record:
+                    record.request = await off_loop(len(raw.data), raw.message)
+                    response = await inner(record.request, context)
+                    record.bytes_out = response.ByteSize()
+                    return await off_loop(record.bytes_out, serialize, response)  # bytes
 
             wrap = grpc.unary_unary_rpc_method_handler
-        elif handler.unary_stream is not None:  # server streaming (the orchestrator's Generate)
-            inner = handler.unary_stream
+        elif handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner = handler.unary_stream  # server streaming (the orchestrator's Generate)
 
-            async def call(request, context):
-                async with _guard(method, self._principal(metadata, context), request, context) as record:
-                    async for response in inner(request, context):
-                        record["bytes_out"] += response.ByteSize()
+            async def call(raw: RawRequest, context):
+                async with guard(context, raw) as record:
+                    record.request = await off_loop(len(raw.data), raw.message)
+                    async for response in inner(record.request, context):
+                        record.bytes_out += response.ByteSize()
                         yield response
 
             wrap = grpc.unary_stream_rpc_method_handler
+        elif handler.unary_stream is not None:  # streaming by context.write (health's Watch)
+            inner = handler.unary_stream
+
+            async def call(raw: RawRequest, context):
+                async with guard(context, raw) as record:
+                    record.request = raw.message()
+                    await inner(record.request, context)
+
+            wrap = grpc.unary_stream_rpc_method_handler
+        elif handler.stream_stream is not None:  # reflection: small requests, parsed as they come
+            inner = handler.stream_stream
+
+            async def call(raws, context):
+                async def requests():
+                    async for raw in raws:
+                        yield raw.message()
+
+                async with guard(context, None):
+                    async for response in inner(requests(), context):
+                        yield response
+
+            wrap = grpc.stream_stream_rpc_method_handler
         else:
             return handler
-        return wrap(call, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return wrap(call, request_deserializer=deferred(handler.request_deserializer),
+                    response_serializer=serialize)
+
+
+@dataclass
+class _CallRecord:
+    request: Any = None  # the parsed request, once it parsed
+    bytes_out: int = 0
 
 
 @contextlib.asynccontextmanager
-async def _guard(method: str, principal: str | None, request, context: grpc.aio.ServicerContext):
-    """One call's auth and principal, exception -> status, and its JSON log line."""
+async def _guard(method: str, principal: str | None, context: grpc.aio.ServicerContext,
+                 raw: RawRequest | None, quiet: bool = False):
+    """One call's auth and principal, exception -> status, and its JSON log line (``quiet``: none)."""
     t0, code, message = time.perf_counter(), grpc.StatusCode.OK, ""
-    record = {"bytes_out": 0}
+    record = _CallRecord()
     bound = _PRINCIPAL.set(principal or ANONYMOUS)
     try:
         if principal is None:
@@ -240,19 +293,39 @@ async def _guard(method: str, principal: str | None, request, context: grpc.aio.
             log.exception("%s failed", method)
         await context.abort(code, message)
     finally:
-        sid = _session_of(request)
-        log.info(json.dumps({
-            "event": "call", "method": method, "code": code.name,
-            "ms": round(1e3 * (time.perf_counter() - t0), 2), "principal": principal,
-            "session": session_tag(f"{principal or ANONYMOUS}/{sid}") if sid else "",
-            "peer": context.peer(), "bytes_in": request.ByteSize(), "bytes_out": record["bytes_out"],
-            **({"error": message} if message else {}),
-        }))
+        if not quiet:
+            sid = _session_of(record.request)
+            log.info(json.dumps({
+                "event": "call", "method": method, "code": code.name,
+                "ms": round(1e3 * (time.perf_counter() - t0), 2), "principal": principal,
+                "session": session_tag(f"{principal or ANONYMOUS}/{sid}") if sid else "",
+                "peer": context.peer(), "bytes_in": len(raw.data) if raw is not None else 0,
+                "bytes_out": record.bytes_out, **({"error": message} if message else {}),
+            }))
         with contextlib.suppress(ValueError):  # a stream's generator may end in another context
             _PRINCIPAL.reset(bound)
 
 
 # -- the server -------------------------------------------------------------------------
+class BoundedHealthServicer(health.aio.HealthServicer):
+    """``grpc.health.v1`` with at most ``max_watches`` Watch streams open: they need no token,
+    and each holds a call open for as long as its peer likes."""
+
+    def __init__(self, max_watches: int) -> None:
+        super().__init__()
+        self.max_watches, self.watches = max_watches, 0
+
+    async def Watch(self, request, context) -> None:
+        if self.watches >= self.max_watches:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_watches} health Watch streams open (max); use Check")
+        self.watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watches -= 1
+
+
 class GrpcServer:
     """One service (its servicer is an ``EngineHost``) + health + reflection."""
 
@@ -272,10 +345,11 @@ class GrpcServer:
         )
         self.servicer.max_response_bytes = c.max_message_mb << 20
         self.add_to_server(self.servicer, self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = BoundedHealthServicer(c.max_health_watches)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        if c.reflection_on:
+            names = (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
         address = f"{c.host}:{c.port}"
         creds = c.credentials()
         if creds is not None:
@@ -289,7 +363,8 @@ class GrpcServer:
         for name in ("", self.service_name):
             await self.health.set(name, NOT_SERVING)
         log.info(json.dumps({"event": "listening", "service": self.service_name, "host": c.host,
-                             "port": port, "tls": creds is not None, "auth": c.principals() is not None}))
+                             "port": port, "tls": creds is not None, "auth": c.principals() is not None,
+                             "reflection": c.reflection_on}))
         return port
 
     async def attach(self, engine: Any) -> None:

@@ -2,6 +2,8 @@
 
 Everything read off the wire is checked here or by the engine it reaches; a malformed
 message raises ``InvalidArgumentError`` naming the field, never a crash further in.
+Lengths are checked before anything is built from a repeated field (``len`` of one is
+O(1)), so an oversized message is refused at once, not after a Python object per entry.
 Tensors travel as raw little-endian row-major bytes + dtype + shape (KServe v2 style).
 """
 
@@ -13,7 +15,7 @@ from dataclasses import fields
 import torch
 
 from presto_pb.v1 import common_pb2 as pb
-from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
+from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, LimitExceededError
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.acceptance_calibration import AcceptanceCalibration
@@ -29,6 +31,14 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_NDIM = 8
 MAX_SESSION_ID = 256
+MAX_TOKENS = 1 << 20  # tokens in one field of a request: more than any context a server holds
+MAX_LAMBDAS = 256  # tree.lambdas: one per depth (the last repeats)
+
+
+def check_length(n: int, limit: int, field: str) -> None:
+    """Refuse a repeated field longer than ``limit`` (RESOURCE_EXHAUSTED) before it is read."""
+    if n > limit:
+        raise LimitExceededError(f"{field}: {n} entries, more than the limit {limit}")
 
 
 # -- tensors ----------------------------------------------------------------------------
@@ -47,8 +57,10 @@ def tensor_from_pb(msg: pb.Tensor, field: str, floating: bool = False) -> torch.
         raise InvalidArgumentError(f"{field}.dtype = {msg.dtype!r}: not one of {', '.join(DTYPES)}")
     if floating and not dtype.is_floating_point:
         raise InvalidArgumentError(f"{field}.dtype = {msg.dtype!r}: a floating-point dtype is required")
+    if len(msg.shape) > MAX_NDIM:
+        raise InvalidArgumentError(f"{field}.shape: {len(msg.shape)} dims, at most {MAX_NDIM}")
     shape = tuple(msg.shape)
-    if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+    if any(d < 0 for d in shape):
         raise InvalidArgumentError(f"{field}.shape = {list(shape)}: dims must be >= 0, at most {MAX_NDIM}")
     expected = math.prod(shape) * dtype.itemsize
     if len(msg.data) != expected:
@@ -65,8 +77,12 @@ def tree_to_pb(tree: TokenTree) -> pb.TokenTree:
     return pb.TokenTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths)
 
 
-def tree_from_pb(msg: pb.TokenTree, field: str = "tree") -> TokenTree:
-    """Shape checks only; the engine validates against its own limits (``TokenTree.validate``)."""
+def tree_from_pb(msg: pb.TokenTree, field: str = "tree", max_nodes: int | None = None) -> TokenTree:
+    """Shape checks, and ``max_nodes`` (draft nodes, the root excluded) before the tree is built;
+    the engine validates the rest against its own limits (``TokenTree.validate``)."""
+    n = max(len(msg.tokens), len(msg.parents), len(msg.depths))
+    if max_nodes is not None and n - 1 > max_nodes:
+        raise LimitExceededError(f"{field}.tokens: {n - 1} draft nodes exceed the limit {max_nodes}")
     tokens, parents, depths = tuple(msg.tokens), tuple(msg.parents), tuple(msg.depths)
     if not tokens:
         raise InvalidArgumentError(f"{field}.tokens: empty tree (the root/anchor node is required)")
@@ -132,6 +148,8 @@ def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
 
 
 def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
+    if len(msg.lambdas) > MAX_LAMBDAS:
+        raise InvalidArgumentError(f"tree.lambdas: {len(msg.lambdas)} values, at most {MAX_LAMBDAS}")
     kwargs = _set_fields(msg, TreeParams)
     if msg.HasField("cost"):
         kwargs["cost"] = cost_from_pb(msg.cost, "tree.cost")
@@ -184,5 +202,6 @@ def delta_from_pb(msg: pb.FeatureDelta, field: str = "delta") -> FeatureDelta:
         raise InvalidArgumentError(f"{field}.start = {msg.start}: must be >= 0")
     if not msg.HasField("features"):
         raise InvalidArgumentError(f"{field}.features: missing")
+    check_length(len(msg.tokens), MAX_TOKENS, f"{field}.tokens")
     features = tensor_from_pb(msg.features, f"{field}.features", floating=True)
     return FeatureDelta(msg.start, tuple(msg.tokens), features)  # checks the shape

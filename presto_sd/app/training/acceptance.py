@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import MAX_CANDIDATES, TreeParams
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import RHO_FLOOR, HPhi, NGramRho, ScoringContext, hphi_features
 
@@ -83,7 +83,8 @@ def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table
     verifier, drafter = stack.verifier, stack.drafter
     rho = NGramRho(table)
     prefix_rho = drafter.rho_providers.get("prefix")
-    params = TreeParams(method="marginal", budget=cfg.budget, depth=cfg.depth, top_k=max(10, cfg.budget))
+    params = TreeParams(method="marginal", budget=cfg.budget, depth=cfg.depth,
+                        top_k=min(MAX_CANDIDATES, max(10, cfg.budget)))
     rows: dict[str, list] = {k: [] for k in Traces.__dataclass_fields__}
     group = 0
     for pi, prompt in enumerate(tqdm(prompts, desc="traces", mininterval=10)):
