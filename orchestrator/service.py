@@ -22,8 +22,8 @@ import grpc
 from orchestrator.orchestrator import Orchestrator
 from orchestrator.pb import chunk_to_pb
 from orchestrator.requests import GenerateJob
+from presto_pb.v1 import common_pb2, orchestrator_pb2_grpc
 from presto_pb.v1 import orchestrator_pb2 as pb
-from presto_pb.v1 import orchestrator_pb2_grpc
 from presto_sd.engine.drafter import DrafterInfo
 from presto_sd.engine.messages import InvalidArgumentError, LimitExceededError
 from presto_sd.loop.generate import GenerationParams, ResultCollector
@@ -204,7 +204,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
             code, message = status_of(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("GenerateBatch item failed")
-            error = pb.ItemError(code=code.name, message=message)
+            error = common_pb2.ItemError(code=code.name, message=message)
             return pb.GenerateResult(request_id=msg.request_id, error=error)
 
     async def Info(self, request, context: grpc.aio.ServicerContext):

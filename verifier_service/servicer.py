@@ -63,7 +63,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
                 f"verify_batch: {len(request.items)} items, more than the {limits.max_sessions} sessions "
                 "this verifier holds")
         items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
-                 for c in wire.verify_calls_from_pb(request, limits.tree.max_nodes)]  # malformed: its own error
+                 for c in wire.verify_calls_from_pb(request, limits.tree.max_nodes)]  # malformed: own error
         calls = [c for c in items if isinstance(c, VerifyCall)]
         row = self._row_bytes()
         bound = sum(wire.verify_response_bound(c, row) for c in calls)

@@ -118,16 +118,8 @@ class GenerateResult(_message.Message):
     fallback_rounds: int
     prefill_s: float
     decode_s: float
-    error: ItemError
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rounds: _Optional[int] = ..., tau: _Optional[float] = ..., mean_tree_size: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
-
-class ItemError(_message.Message):
-    __slots__ = ("code", "message")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    code: str
-    message: str
-    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    error: _common_pb2.ItemError
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rounds: _Optional[int] = ..., tau: _Optional[float] = ..., mean_tree_size: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.ItemError, _Mapping]] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
     __slots__ = ("results",)
