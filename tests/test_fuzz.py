@@ -149,12 +149,13 @@ def _live(stack) -> dict:
     """A session open on both engines, and a valid request for every method around it."""
     vs, ds = stack["verifier"], stack["drafter"]
     vstub = verifier_pb2_grpc.VerifierServiceStub(make_channel(vs.address))
-    pre = vstub.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="fz-live", token_ids=PROMPT),
-                        timeout=10)
+    pre = vstub.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="fz-live", token_ids=PROMPT,
+                                                             restart=True), timeout=10)  # the fuzz reopens it
     delta = pre.delta
     dchannel = make_channel(ds.address)
     dchannel.unary_unary("/presto.v1.DrafterService/Prefill")(
-        drafter_pb2.DrafterPrefillRequest(session_id="fz-live", delta=delta).SerializeToString(), timeout=10)
+        drafter_pb2.DrafterPrefillRequest(session_id="fz-live", delta=delta, restart=True)
+        .SerializeToString(), timeout=10)
     dchannel.close()
     ref = common_pb2.SessionRef(session_id="fz-live", base=pre.base)
     tree = common_pb2.TokenTree(tokens=[pre.anchor, 1, 2], parents=[-1, 0, 1])
