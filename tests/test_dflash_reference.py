@@ -327,6 +327,11 @@ def test_drafter_hub_id_without_a_hub_says_so(tmp_path, monkeypatch):
         drafter_assets(None, "z-lab/Qwen3-8B-DFlash-b16")  # what every command resolves --drafter with
     with pytest.raises(DrafterNotFoundError, match="no such directory"):
         resolve_drafter(str(tmp_path / "not-there"), None)
+    # the command line says it in one line, before loading any model
+    from presto_sd.app.cli import main
+
+    with pytest.raises(SystemExit, match=r"^presto-sd: --drafter z-lab/Qwen3-8B-DFlash-b16: not a local"):
+        main(["generate", "hi", "--drafter", "z-lab/Qwen3-8B-DFlash-b16", "--target", str(tmp_path / "t")])
 
 
 # -- the torch floor -----------------------------------------------------------------------------

@@ -77,16 +77,17 @@ def verifier_engine(
 def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 256,
                  dtype: torch.dtype | None = None) -> DFlashDrafter:
     """The drafter alone: the target's embeddings and lm_head, the rest of the target dropped."""
+    assets = drafter_assets(target, drafter)  # a --drafter that cannot be had fails before the load
     model, _ = load_target(target, dtype=dtype)
-    return drafter_engine(model, drafter_assets(target, drafter), max_sessions)
+    return drafter_engine(model, assets, max_sessions)
 
 
 def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
                   dtype: torch.dtype | None = None) -> HFVerifier:
     """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS."""
+    assets = drafter_assets(target, drafter)
     model, tok = load_target(target, dtype=dtype)
-    verifier = verifier_engine(model, tok, target, drafter_assets(target, drafter),
-                               VerifierLimits(max_sessions=max_sessions))
+    verifier = verifier_engine(model, tok, target, assets, VerifierLimits(max_sessions=max_sessions))
     verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
     return verifier
 
@@ -98,7 +99,7 @@ def build_embedded(
     dtype: torch.dtype | None = None,
 ) -> EmbeddedStack:
     """Verifier and drafter in this process, sharing one copy of the target."""
-    model, tok = load_target(target, device, dtype)
     assets = drafter_assets(target, drafter)
+    model, tok = load_target(target, device, dtype)
     verifier = verifier_engine(model, tok, target, assets)
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

