@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -31,7 +32,7 @@ from presto_sd.method.builders import TreeParams
 from presto_sd.rpc.client import ClientConfig, make_channel
 from presto_sd.rpc.server import NOT_SERVING, SERVING, ServerConfig
 from tests.conftest import hf_greedy, make_engines, tiny_drafter_model
-from tests.rpc_util import LocalServer, make_pki, spawn, submit, wait_for
+from tests.rpc_util import LocalServer, make_pki, run, spawn, submit, wait_for
 from verifier_service.remote import RemoteVerifier
 
 PROMPT = [0, 3, 5, 7]
@@ -51,9 +52,20 @@ def _health(address: str, service: str = "") -> int:
     return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
+def _until(condition, what: str, timeout_s: float = 20.0) -> None:
+    """Wait for ``condition()`` (the event a test needs), not for a guessed number of seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.01)
+
+
 # -- health, reflection, drain ----------------------------------------------------------
 def test_health_not_serving_before_load_and_while_draining(tiny_target):
-    server = LocalServer("verifier", ServerConfig(drain_s=1.0, grace_s=0.0)).start()  # no engine yet
+    # a drain far longer than the test: "still answering while draining" cannot race its end;
+    # the test ends the drain itself below
+    server = LocalServer("verifier", ServerConfig(drain_s=600.0, grace_s=0.0)).start()  # no engine yet
     remote = RemoteVerifier(server.address, timeout_s=5)
     drained = False
     try:
@@ -71,10 +83,13 @@ def test_health_not_serving_before_load_and_while_draining(tiny_target):
         assert "presto.v1.VerifierService" in services and "grpc.health.v1.Health" in services
 
         draining = submit(server.server.drain())
-        time.sleep(0.3)
-        assert _health(server.address) == NOT_SERVING
+        _until(lambda: _health(server.address) == NOT_SERVING, "NOT_SERVING once draining")
         assert remote.step("s", 2, pre.anchor).base == 3  # still answering while the balancers move away
-        draining.result(10)
+        assert not draining.done()
+        # end the drain now: the same drain, its wait cut to 0, stops the server
+        draining.cancel()
+        server.server.config = replace(server.server.config, drain_s=0.0)
+        run(server.server.drain())
         drained = True
         with pytest.raises(VerifierUnavailableError):
             remote.step("s", 3, 0)
@@ -86,11 +101,12 @@ def test_health_not_serving_before_load_and_while_draining(tiny_target):
 
 def test_idle_sessions_expire(tiny_target):
     server = LocalServer("verifier", ServerConfig(session_ttl_s=0.2, drain_s=0, grace_s=0))
-    server.start(_verifier(tiny_target))
+    engine = _verifier(tiny_target)
+    server.start(engine)
     remote = RemoteVerifier(server.address, timeout_s=5)
     try:
         remote.prefill("idle", [1, 2])
-        time.sleep(0.6)
+        _until(lambda: "anonymous/idle" not in engine.sessions, "the reaper closes the idle session")
         with pytest.raises(SessionNotFoundError, match=session_tag("anonymous/idle")):
             remote.step("idle", 2, 0)
     finally:
@@ -99,15 +115,29 @@ def test_idle_sessions_expire(tiny_target):
 
 
 # -- deadlines --------------------------------------------------------------------------
-class SlowDrafter:
-    """Proxy: ``draft`` sleeps ``delay`` seconds first; everything else passes through."""
+class GatedDrafter:
+    """Proxy: while ``gate`` is shut, ``draft`` waits for it on the engine thread (a slow
+    drafter whose slowness the test controls); it counts drafts in flight and commits run."""
 
-    def __init__(self, inner, delay: float = 0.0) -> None:
-        self.inner, self.delay = inner, delay
+    def __init__(self, inner) -> None:
+        self.inner, self.gate = inner, threading.Event()
+        self.gate.set()
+        self.in_flight, self.commits = 0, 0
+        self._lock = threading.Lock()
 
     def draft(self, *args):
-        time.sleep(self.delay)
-        return self.inner.draft(*args)
+        with self._lock:
+            self.in_flight += 1
+        try:
+            self.gate.wait(timeout=60)
+            return self.inner.draft(*args)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def commit(self, *args):
+        self.commits += 1
+        return self.inner.commit(*args)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -115,26 +145,30 @@ class SlowDrafter:
 
 def test_deadline_exceeded_is_reported_not_hung_and_not_run_late(tiny_target):
     inner = _drafter(tiny_target)
-    slow = SlowDrafter(inner, delay=0.8)
+    slow = GatedDrafter(inner)
     server = LocalServer("drafter").start(slow)
-    remote = RemoteDrafter(server.address, timeout_s=0.2)
+    remote = RemoteDrafter(server.address, timeout_s=1.0)
     width = len(inner.config.target_layer_ids) * inner.config.hidden_size
     try:
         import torch
 
         remote.prefill("d", FeatureDelta(0, (1, 2), torch.zeros(2, width)))
-        t0 = time.perf_counter()
+        slow.gate.clear()  # the engine's next draft does not finish until the test says so
         with pytest.raises(DrafterUnavailableError, match="DEADLINE_EXCEEDED"):
             remote.draft("d", 3, 2, TreeParams("linear"))
-        assert time.perf_counter() - t0 < 0.7  # reported at the deadline, not when the engine is done
+        assert slow.in_flight == 1  # reported at the deadline, while the engine is still busy
         # a commit queued behind the slow draft misses its deadline: it must not run later
+        remote.timeout_s = 0.2
         with pytest.raises(DrafterUnavailableError, match="DEADLINE_EXCEEDED"):
             remote.commit("d", FeatureDelta(2, (3,), torch.zeros(1, width)))
-        time.sleep(1.0)
-        assert inner.sessions["anonymous/d"].base == 2  # keyed by principal
-        slow.delay, remote.timeout_s = 0.0, 10.0
+        slow.gate.set()
+        remote.timeout_s = 10.0
+        # queued behind both: when it answers, the expired commit has had its turn and skipped
+        # it (had it run, the session would be at 3 and this commit at base 2 refused)
         assert remote.commit("d", FeatureDelta(2, (3,), torch.zeros(1, width))) == 3
+        assert slow.commits == 1 and inner.sessions["anonymous/d"].base == 3  # keyed by principal
     finally:
+        slow.gate.set()
         remote.shutdown()
         server.stop()
 
@@ -215,21 +249,25 @@ def test_drafter_killed_mid_generation_then_back(tiny_target):
 
 
 def test_slow_drafter_falls_back_to_ar_steps(tiny_target):
-    slow = SlowDrafter(_drafter(tiny_target), delay=0.4)
+    slow = GatedDrafter(_drafter(tiny_target))
+    slow.gate.clear()  # every draft outlives its deadline until the gate opens
     vs, ds = _servers(tiny_target, slow)
     remote_v, remote_d = RemoteVerifier(vs.address), RemoteDrafter(ds.address, timeout_s=0.1)
-    tokens, late = [], []
+    tokens, early, late = [], [], []
     try:
         for i, chunk in enumerate(stream_generate(remote_v, remote_d, PROMPT, _params(24))):
             tokens.extend(chunk.tokens)
-            if i == 4:
-                slow.delay = 0.0
-                time.sleep(0.5)
-            if i > 4 and chunk.round is not None:
-                late.append(chunk.round.tree_size)
+            if chunk.round is not None:
+                (late if i > 4 else early).append(chunk.round)
+            if i == 4:  # the drafter is fast again: let the stuck drafts finish, give it time
+                slow.gate.set()
+                _until(lambda: slow.in_flight == 0, "the stuck drafts finish")
+                remote_d.timeout_s = 10.0
         assert tokens == hf_greedy(tiny_target, PROMPT, 24)
-        assert any(s > 0 for s in late)
+        assert early and all(r.tree_size == 0 for r in early) and any(r.fallback for r in early)
+        assert any(r.tree_size > 0 for r in late)
     finally:
+        slow.gate.set()
         remote_v.shutdown()
         remote_d.shutdown()
         vs.stop()

@@ -1,9 +1,9 @@
 """The orchestrator on a local Ray: engines in actors, served over gRPC on loopback.
 
 One Ray and one stack for the module (2 drafter replicas, 1 verifier, the tiny target of
-``conftest`` built inside each actor). The tests run in file order: the last two kill
-replicas (a drafter, then the only verifier), and the metric smoke test between them reads
-what the earlier ones exported.
+``conftest`` built inside each actor). What a test reads from earlier traffic comes from a
+module fixture (``cancelled``, ``drafter_lost``), so each test also passes alone; the
+verifier-lost test kills the only verifier and stays last in the file.
 """
 
 from __future__ import annotations
@@ -128,17 +128,30 @@ def test_generate_batch_answers_in_order(tiny_target, stack):
     assert all(r.finish_reason == "length" and r.rounds >= 1 and r.tau >= 1 for r in results)
 
 
-def test_cancel_frees_both_sessions(stack):
+@pytest.fixture(scope="module")
+def cancelled(stack) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A stream cancelled after 3 chunks: (requests, sessions) held before and after.
+
+    A fixture, not a test's side effect: the metrics test needs a cancelled request too,
+    and gets one however it is run (alone or after the others).
+    """
     orch, client, _ = stack
     stream = client.generate([0, 3, 5, 7], method="marginal", max_new_tokens=400)
     for _ in range(3):
         next(stream)
-    assert orch.requests and _sessions(orch) == 2  # one drafter and one verifier session
+    before = (len(orch.requests), _sessions(orch))
     stream.close()  # cancels the RPC
     deadline = time.monotonic() + 20
     while (orch.requests or _sessions(orch)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not orch.requests and _sessions(orch) == 0
+    return before, (len(orch.requests), _sessions(orch))
+
+
+def test_cancel_frees_both_sessions(stack, cancelled):
+    orch, _, _ = stack
+    before, after = cancelled
+    assert before[0] and before[1] == 2  # one drafter and one verifier session
+    assert after == (0, 0)
     assert orch.metrics.tallies["finish:cancelled"] >= 1
 
 
@@ -257,7 +270,12 @@ def test_the_client_resumes_a_broken_stream_on_the_next_orchestrator(tiny_target
     assert tokens == hf_greedy(tiny_target, [0, 3, 5, 7], 300)
 
 
-def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack):
+@pytest.fixture(scope="module")
+def drafter_lost(stack):
+    """Drafter replica 0 killed under 4 streams: (prompts, outputs, its sessions when killed, it).
+
+    A fixture for the same reason as ``cancelled``: the metrics test reads its fallbacks.
+    """
     orch, client, _ = stack
     prompts = [[0, 3, 5, i] for i in range(4)]
     out: dict[int, list[int]] = {}
@@ -276,11 +294,18 @@ def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack):
         t.start()
     started.wait(timeout=60)
     lost = orch.drafters.replicas[0]
-    assert lost.sessions  # least-loaded placement put some of the requests there
+    held = set(lost.sessions)
     ray.kill(lost.actor, no_restart=True)
     for t in threads:
         t.join(timeout=120)
-    assert [out[i] for i in range(len(prompts))] == [hf_greedy(tiny_target, p, 48) for p in prompts]
+    return prompts, [out.get(i) for i in range(len(prompts))], held, lost
+
+
+def test_drafter_replica_lost_falls_back_and_rehomes(tiny_target, stack, drafter_lost):
+    orch, _, _ = stack
+    prompts, out, held, lost = drafter_lost
+    assert held  # least-loaded placement put some of the requests there
+    assert out == [hf_greedy(tiny_target, p, 48) for p in prompts]
     tallies = orch.metrics.tallies
     assert tallies["fallback:ar_round"] >= 1 and tallies["fallback:drafter_rehome"] >= 1
     assert lost.dead and not lost.sessions
@@ -300,7 +325,9 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_metrics_are_exported_and_the_dashboard_uses_their_names(stack, metrics_port):
+def test_metrics_are_exported_and_the_dashboard_uses_their_names(stack, metrics_port, cancelled,
+                                                                 drafter_lost):
+    """Reads what ``cancelled`` and ``drafter_lost`` exported (tokens, a cancel, a rehome)."""
     orch, _, _ = stack
     tallies = orch.metrics.tallies
     deadline, text = time.monotonic() + 30, ""

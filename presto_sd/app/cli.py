@@ -19,6 +19,8 @@ import argparse
 from presto_sd.app import generate, models, serve, up
 from presto_sd.app.bench import cli as bench_cli
 from presto_sd.app.training import cli as train_cli
+from presto_sd.models.assets import DrafterNotFoundError
+from presto_sd.models.dflash_fields import UnsupportedDrafterConfig
 
 COMMAND_GROUPS = (generate, models, train_cli, bench_cli, serve, up)
 
@@ -36,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (DrafterNotFoundError, UnsupportedDrafterConfig) as e:  # what the user asked for, not a bug
+        raise SystemExit(f"presto-sd: {e}") from None
 
 
 if __name__ == "__main__":

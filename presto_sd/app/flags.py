@@ -65,7 +65,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="lambda_d: one value or comma-separated per depth (default: the drafter's)")
     add_sampling_args(p)
     add_model_args(p, "a transformers dir, a .gguf file or a hub id (default: SmolLM2-135M-Instruct)",
-                   "DFlash drafter dir (default: the shipped SmolLM2 one; 'random' = untrained)")
+                   "DFlash drafter dir or hub id owner/name (default: the shipped SmolLM2 one; "
+                   "'random' = untrained)")
 
 
 def add_client_args(g: argparse._ArgumentGroup, prefix: str = "", what: str = "the servers") -> None:

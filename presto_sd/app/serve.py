@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--port", type=int, required=True, help="0 = any free port (logged)")
         p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 or [::] to serve "
                        "other machines (default: %(default)s)")
-        add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)", "DFlash drafter dir, or "
-                       "'random' (the verifier reads its target_layer_ids)", group=False)
+        add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)", "DFlash drafter dir, hub id "
+                       "or 'random' (the verifier reads its target_layer_ids)", group=False)
         add_serving_args(p)
         add_reflection_arg(p)
         p.add_argument("--max-sessions", type=int, default=64, help="(default: %(default)s)")

@@ -94,8 +94,9 @@ def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 25
 
     Its sessions' K/V get a budget: ``max_kv_gb``, else a share of the free memory (``memory``).
     """
+    assets = drafter_assets(target, drafter)  # a --drafter that cannot be had fails before the load
     model, _ = load_target(target, dtype=dtype)
-    engine = drafter_engine(model, drafter_assets(target, drafter), max_sessions)
+    engine = drafter_engine(model, assets, max_sessions)
     del model
     _budget(engine, "drafter", engine.lm_head.device, max_kv_gb)
     return engine
@@ -106,9 +107,10 @@ def load_verifier(target: str | None, drafter: str | None, max_sessions: int = V
                   prefill_chunk: int = 512) -> HFVerifier:
     """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS, its
     sessions' KV given a budget (``max_kv_gb``, else a share of the free memory: ``memory``)."""
+    assets = drafter_assets(target, drafter)
     model, tok = load_target(target, dtype=dtype)
-    verifier = verifier_engine(model, tok, target, drafter_assets(target, drafter),
-                               VerifierLimits(max_sessions=max_sessions), prefill_chunk)
+    verifier = verifier_engine(model, tok, target, assets, VerifierLimits(max_sessions=max_sessions),
+                               prefill_chunk)
     verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
     _budget(verifier, "verifier", verifier.device, max_kv_gb)
     return verifier
@@ -121,7 +123,7 @@ def build_embedded(
     dtype: torch.dtype | None = None,
 ) -> EmbeddedStack:
     """Verifier and drafter in this process, sharing one copy of the target."""
-    model, tok = load_target(target, device, dtype)
     assets = drafter_assets(target, drafter)
+    model, tok = load_target(target, device, dtype)
     verifier = verifier_engine(model, tok, target, assets)
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

