@@ -346,6 +346,7 @@ SMOLLM2_SAMPLING = SamplingParams(temperature=1.0, top_k=4, top_p=0.95)
 
 @pytest.mark.slow
 @pytest.mark.smollm2
+@pytest.mark.timeout(1800)  # ~6 min on 2 quiet cores: a stall fails instead of holding CI
 def test_smollm2_whole_generations_at_t_above_0_sample_as_plain_sampling(monkeypatch):
     """The same test on SmolLM2-135M-Instruct and its shipped drafter: a chat prompt, K = 4,
     N = 400 generations, half presto-best-first and half taps (seeds apart; a mixture of
