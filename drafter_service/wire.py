@@ -12,8 +12,10 @@ from presto_sd.engine.drafter import DraftCall, DrafterInfo, DraftResult
 from presto_sd.engine.messages import EngineError, UnavailableError
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.models.assets import DrafterDefaults
-from presto_sd.rpc.errors import error_from_status, status_of
 from presto_sd.rpc.wire import (
+    answers_from_pb,
+    item_error_fields,
+    items_from_pb,
     memory_from_pb,
     memory_to_pb,
     session_ref_from_pb,
@@ -78,38 +80,22 @@ def draft_call_from_pb(msg: pb.DraftRequest) -> DraftCall:
 
 
 def draft_calls_from_pb(msg: pb.DraftBatchRequest) -> list[DraftCall | EngineError]:
-    """Each item as a call, or the error its malformed message gets (its slot, not the batch's)."""
-    out: list[DraftCall | EngineError] = []
-    for item in msg.items:
-        try:
-            out.append(draft_call_from_pb(item))
-        except EngineError as e:
-            out.append(e)
-    return out
+    return items_from_pb(msg.items, draft_call_from_pb)
 
 
 def draft_batch_to_pb(
     answers: Sequence[DraftResult | EngineError], want_marginals: Sequence[bool]
 ) -> pb.DraftBatchResponse:
-    items = []
-    for a, want in zip(answers, want_marginals):
-        if isinstance(a, EngineError):
-            code, message = status_of(a)
-            items.append(pb.DraftBatchItem(error=common_pb2.ItemError(code=code.name, message=message)))
-        else:
-            items.append(pb.DraftBatchItem(result=draft_result_to_pb(a, want)))
-    return pb.DraftBatchResponse(items=items)
+    return pb.DraftBatchResponse(items=[
+        pb.DraftBatchItem(error=common_pb2.ItemError(**item_error_fields(a))) if isinstance(a, EngineError)
+        else pb.DraftBatchItem(result=draft_result_to_pb(a, want))
+        for a, want in zip(answers, want_marginals)])
 
 
 def draft_batch_from_pb(
     msg: pb.DraftBatchResponse, unavailable: type[UnavailableError]
 ) -> list[DraftResult | EngineError]:
-    """Results, and errors as the named exceptions a unary call raises for the same status."""
-    return [
-        draft_result_from_pb(item.result) if item.HasField("result")
-        else error_from_status(item.error.code, item.error.message, unavailable)
-        for item in msg.items
-    ]
+    return answers_from_pb(msg.items, draft_result_from_pb, unavailable)
 
 
 def info_to_pb(i: DrafterInfo) -> pb.DrafterInfo:

@@ -14,12 +14,14 @@ from presto_sd.engine.verifier import (
     VerifyResult,
 )
 from presto_sd.method.tree import TreeLimits
-from presto_sd.rpc.errors import error_from_status, status_of
 from presto_sd.rpc.wire import (
+    answers_from_pb,
     cost_from_pb,
     cost_to_pb,
     delta_from_pb,
     delta_to_pb,
+    item_error_fields,
+    items_from_pb,
     memory_from_pb,
     memory_to_pb,
     session_ref_from_pb,
@@ -100,36 +102,19 @@ def verify_batch_request_to_pb(calls: Sequence[VerifyCall]) -> pb.VerifyBatchReq
 def verify_calls_from_pb(
     msg: pb.VerifyBatchRequest, max_nodes: int | None = None
 ) -> list[VerifyCall | EngineError]:
-    """Each item as a call, or the error its malformed message gets (its slot, not the batch's)."""
-    out: list[VerifyCall | EngineError] = []
-    for item in msg.items:
-        try:
-            out.append(verify_call_from_pb(item, max_nodes))
-        except EngineError as e:
-            out.append(e)
-    return out
+    return items_from_pb(msg.items, lambda item: verify_call_from_pb(item, max_nodes))
 
 
 def verify_batch_to_pb(answers: Sequence[VerifyResult | EngineError]) -> pb.VerifyBatchResponse:
-    items = []
-    for a in answers:
-        if isinstance(a, EngineError):
-            code, message = status_of(a)
-            items.append(pb.VerifyBatchItem(error=pb.VerifyItemError(code=code.name, message=message)))
-        else:
-            items.append(pb.VerifyBatchItem(result=verify_result_to_pb(a)))
-    return pb.VerifyBatchResponse(items=items)
+    return pb.VerifyBatchResponse(items=[
+        pb.VerifyBatchItem(error=pb.VerifyItemError(**item_error_fields(a))) if isinstance(a, EngineError)
+        else pb.VerifyBatchItem(result=verify_result_to_pb(a)) for a in answers])
 
 
 def verify_batch_from_pb(
     msg: pb.VerifyBatchResponse, unavailable: type[UnavailableError]
 ) -> list[VerifyResult | EngineError]:
-    """Results, and errors as the named exceptions a unary call raises for the same status."""
-    return [
-        verify_result_from_pb(item.result) if item.HasField("result")
-        else error_from_status(item.error.code, item.error.message, unavailable)
-        for item in msg.items
-    ]
+    return answers_from_pb(msg.items, verify_result_from_pb, unavailable)
 
 
 def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:

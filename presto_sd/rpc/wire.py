@@ -10,18 +10,27 @@ Tensors travel as raw little-endian row-major bytes + dtype + shape (KServe v2 s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import fields
+from typing import Any
 
 import torch
 
 from presto_pb.v1 import common_pb2 as pb
-from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, LimitExceededError
+from presto_sd.engine.messages import (
+    EngineError,
+    FeatureDelta,
+    InvalidArgumentError,
+    LimitExceededError,
+    UnavailableError,
+)
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.acceptance_calibration import AcceptanceCalibration
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree
+from presto_sd.rpc.errors import error_from_status, status_of
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -205,3 +214,29 @@ def delta_from_pb(msg: pb.FeatureDelta, field: str = "delta") -> FeatureDelta:
     check_length(len(msg.tokens), MAX_TOKENS, f"{field}.tokens")
     features = tensor_from_pb(msg.features, f"{field}.features", floating=True)
     return FeatureDelta(msg.start, tuple(msg.tokens), features)  # checks the shape
+
+
+# -- batched calls: each item its own call or error (VerifyBatch, DraftBatch, GenerateBatch) --
+def items_from_pb(items: Iterable[Any], call_from_pb: Callable[[Any], Any]) -> list[Any]:
+    """Each item as a call, or the error its malformed message gets (its slot, not the batch's)."""
+    out = []
+    for item in items:
+        try:
+            out.append(call_from_pb(item))
+        except EngineError as e:
+            out.append(e)
+    return out
+
+
+def item_error_fields(e: BaseException) -> dict[str, str]:
+    """An item's error as an ``ItemError``'s fields: the status code name and its message."""
+    code, message = status_of(e)
+    return {"code": code.name, "message": message}
+
+
+def answers_from_pb(
+    items: Iterable[Any], result_from_pb: Callable[[Any], Any], unavailable: type[UnavailableError]
+) -> list[Any]:
+    """Results, and errors as the named exceptions a unary call raises for the same status."""
+    return [result_from_pb(item.result) if item.HasField("result")
+            else error_from_status(item.error.code, item.error.message, unavailable) for item in items]
