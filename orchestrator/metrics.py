@@ -41,6 +41,8 @@ _SPECS: dict[str, tuple] = {
     "batch": ("histogram", "presto_verify_batch_size", "Trees per verifier call", ("replica",), BATCH_BOUNDS),
     "batch_tokens": ("histogram", "presto_verify_batch_tokens", "New tokens (tree nodes, AR steps) per "
                      "verifier forward", ("replica",), TOKEN_BOUNDS),
+    "batch_prompts": ("histogram", "presto_verify_batch_prompts", "New sessions' prompts prefilled in a "
+                      "verifier forward beside the steps", ("replica",), BATCH_BOUNDS),
     "draft_batch": ("histogram", "presto_draft_batch_size", "Blocks per drafter call", ("replica",),
                     BATCH_BOUNDS),
     "busy": ("counter", "presto_engine_busy_seconds", "Seconds an engine replica spent in calls "
@@ -124,11 +126,13 @@ class Metrics:
         self._tally(f"finish:{finish}")
         self._emit("requests", 1, method=method, finish=finish)
 
-    def batch(self, replica: str, size: int, tokens: int, busy_s: float) -> None:
+    def batch(self, replica: str, size: int, tokens: int, busy_s: float, prompts: int = 0) -> None:
         self._tally("verify_batches")
         self._tally("verify_batched_calls", size)
+        self._tally("verify_batched_prompts", prompts)
         self._emit("batch", size, replica=replica)
         self._emit("batch_tokens", tokens, replica=replica)
+        self._emit("batch_prompts", prompts, replica=replica)
 
     def draft_batch(self, replica: str, size: int) -> None:
         self._tally("draft_batches")

@@ -39,12 +39,15 @@ _END = object()  # the stream's end marker, after the last chunk or the error
 class OrchestratorConfig:
     max_requests: int = 256  # concurrent requests; one more is RESOURCE_EXHAUSTED
     max_batch: int = 64  # trees per verify_batch (an AR step is a one-node tree)
-    max_batch_tokens: int = 1024  # tree nodes per verify_batch: one forward's new tokens
+    max_batch_tokens: int = 1024  # tree nodes and prompt tokens per verify_batch: one forward's new tokens
+    max_batch_prefill_tokens: int = 512  # prompt tokens per verify_batch (longer prompts go alone)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
         if self.max_requests < 1 or self.max_batch < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_requests, max_batch and max_batch_tokens must be >= 1")
+        if self.max_batch_prefill_tokens < 0:
+            raise ValueError("max_batch_prefill_tokens must be >= 0")
 
 
 class RequestStream:
@@ -121,7 +124,8 @@ class Orchestrator:
         self.config, self.detokenize = config, detokenize
         self.metrics = metrics or Metrics()
         self.drafters, self.verifiers = ReplicaPool(drafters), ReplicaPool(verifiers)
-        self.batchers = {r: Batcher(r, config.max_batch, self._on_batch, config.max_batch_tokens)
+        self.batchers = {r: Batcher(r, config.max_batch, self._on_batch, config.max_batch_tokens,
+                                    config.max_batch_prefill_tokens)
                          for r in (*drafters, *verifiers)}
         self.requests: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -197,9 +201,9 @@ class Orchestrator:
             req.cancel()
 
     # -- operations ---------------------------------------------------------------------
-    def _on_batch(self, replica: Replica, size: int, tokens: int, busy_s: float) -> None:
+    def _on_batch(self, replica: Replica, size: int, tokens: int, busy_s: float, prompts: int) -> None:
         if replica.kind == "verifier":
-            self.metrics.batch(replica.name, size, tokens, busy_s)
+            self.metrics.batch(replica.name, size, tokens, busy_s, prompts)
         else:
             self.metrics.draft_batch(replica.name, size)
 

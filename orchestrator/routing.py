@@ -22,7 +22,14 @@ from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
 from presto_sd.engine.messages import EngineError, FeatureDelta
-from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
+from presto_sd.engine.verifier import (
+    PrefillCall,
+    PrefillResult,
+    Verifier,
+    VerifierInfo,
+    VerifyCall,
+    VerifyResult,
+)
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.batch_cost import SharedForward
 from presto_sd.method.builders import TreeParams
@@ -142,6 +149,15 @@ class RoutedVerifier(_Routed, Verifier):
         if self._prefills:
             self.metrics.fallback("verifier_reprefill")
         self._prefills += 1
+        batcher = self.batchers[replica]
+        if batcher.takes_prompt(len(token_ids)):  # rides in a batch with other sessions' steps
+            answer = batcher.submit(PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart))
+            res, busy_s, queue_s = answer.result()
+            self.route.verifier_s += busy_s
+            self.route.queue_s += queue_s
+            if isinstance(res, BaseException):
+                raise res
+            return res
         out = replica.call("prefill", session_id, token_ids, sampling, anchor, restart,
                            timeout_s=replica.timeouts.prefill_s)
         self.route.verifier_s += out.busy_s

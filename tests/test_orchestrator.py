@@ -117,6 +117,8 @@ def test_concurrent_requests_equal_ar(tiny_target, stack):
     batches = tallies["verify_batches"] - before.get("verify_batches", 0)
     calls = tallies["verify_batched_calls"] - before.get("verify_batched_calls", 0)
     assert calls > batches  # some verify calls of different requests shared one batch
+    # every (short) prompt was prefilled inside a batch, beside other requests' steps
+    assert tallies["verify_batched_prompts"] - before.get("verify_batched_prompts", 0) == len(jobs)
     assert not orch.requests and _sessions(orch) == 0
 
 

@@ -14,6 +14,7 @@ from presto_sd.embedded import hf_verifier as hf
 from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.engine.drafter import DraftCall
 from presto_sd.engine.messages import (
+    AlreadyExistsError,
     DrafterUnavailableError,
     InvalidArgumentError,
     LimitExceededError,
@@ -22,7 +23,7 @@ from presto_sd.engine.messages import (
     VerifierUnavailableError,
     session_tag,
 )
-from presto_sd.engine.verifier import VerifierLimits, VerifyCall, VerifyResult
+from presto_sd.engine.verifier import PrefillCall, PrefillResult, VerifierLimits, VerifyCall, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree, TreeLimits
@@ -271,6 +272,74 @@ def test_a_failure_rolls_every_session_back(tiny_target, monkeypatch, stage):
         assert_same_caches(batched, ref, c.session_id)
 
 
+# -- new sessions' prompts in the same forward ---------------------------------------------
+def assert_same_prefill(res: PrefillResult, want: PrefillResult) -> None:
+    assert (res.anchor, res.base, res.delta.start, res.delta.tokens) == (
+        want.anchor, want.base, want.delta.start, want.delta.tokens)
+    torch.testing.assert_close(res.delta.features, want.delta.features, atol=ATOL, rtol=0)
+
+
+def test_prompts_ride_in_the_batch_and_equal_prefill(tiny_target):
+    """Prompts beside trees and AR steps of open sessions: the same anchors, features and KV
+    as ``prefill`` alone (sampled anchors too), and the new sessions then decode as AR."""
+    batched, ref = open_twice(tiny_target, PROMPTS[:2])
+    g, s = torch.Generator().manual_seed(3), ref.sessions
+    sampled = SamplingParams(temperature=1.0, seed=7)
+    calls = [VerifyCall("s0", s["s0"].base, oracle_tree(s["s0"].tokens[-1], hf_greedy(
+                 tiny_target, s["s0"].tokens, 3), g)),
+             PrefillCall("n0", tuple(PROMPTS[2])),
+             VerifyCall("s1", s["s1"].base, TokenTree.root_only(s["s1"].tokens[-1])),
+             PrefillCall("n1", tuple(PROMPTS[3]), sampled)]
+    got = batched.verify_batch(calls)
+    assert_same(got[0], ref.verify("s0", calls[0].base, calls[0].tree))
+    assert_same(got[2], ref.verify("s1", calls[2].base, calls[2].tree))
+    assert_same_prefill(got[1], ref.prefill("n0", PROMPTS[2]))
+    assert_same_prefill(got[3], ref.prefill("n1", PROMPTS[3], sampled))
+    for sid in ("s0", "s1", "n0", "n1"):
+        assert_same_caches(batched, ref, sid)
+    for sid in ("n0", "n1"):  # a real session: AR goes on from it
+        base, anchor = batched.sessions[sid].base, batched.sessions[sid].tokens[-1]
+        assert batched.step(sid, base, anchor).bonus == ref.step(sid, base, anchor).bonus
+    assert batched.sessions["n0"].tokens[len(PROMPTS[2]):] == hf_greedy(tiny_target, PROMPTS[2], 2)
+
+
+def test_a_refused_prompt_opens_nothing_and_the_others_go_on(tiny_target):
+    v = HFVerifier(tiny_target, (0, 2), limits=VerifierLimits(max_sessions=3))
+    v.prefill("s0", PROMPTS[0])
+    calls = [PrefillCall("s0", tuple(PROMPTS[1])),  # open, no restart
+             PrefillCall("e", ()),  # empty
+             PrefillCall("big", (1, 99_999)),  # out of the vocabulary
+             PrefillCall("n0", tuple(PROMPTS[1])),
+             PrefillCall("n0", tuple(PROMPTS[2])),  # the same session again
+             PrefillCall("n1", tuple(PROMPTS[2])),
+             PrefillCall("n2", tuple(PROMPTS[3]))]  # past the session cap (s0, n0, n1 hold it)
+    got = v.verify_batch(calls)
+    assert isinstance(got[0], AlreadyExistsError)
+    assert isinstance(got[1], InvalidArgumentError) and "empty" in str(got[1])
+    assert isinstance(got[2], InvalidArgumentError) and "out of range" in str(got[2])
+    assert isinstance(got[4], InvalidArgumentError) and "already in this batch" in str(got[4])
+    assert isinstance(got[6], LimitExceededError)
+    assert isinstance(got[3], PrefillResult) and isinstance(got[5], PrefillResult)
+    assert sorted(v.sessions) == ["n0", "n1", "s0"] and v.sessions["s0"].tokens[:-1] == PROMPTS[0]
+    restart = v.verify_batch([PrefillCall("s0", tuple(PROMPTS[3]), restart=True)])[0]
+    assert isinstance(restart, PrefillResult) and v.sessions["s0"].tokens[:-1] == PROMPTS[3]
+
+
+def test_a_failed_forward_opens_no_prompt_and_frees_its_seat(tiny_target, monkeypatch):
+    v = HFVerifier(tiny_target, (0, 2), limits=VerifierLimits(max_sessions=2))
+    pre = v.prefill("s0", PROMPTS[0])
+    calls = [VerifyCall("s0", pre.base, TokenTree.root_only(pre.anchor)),
+             PrefillCall("n0", tuple(PROMPTS[1]))]
+    monkeypatch.setattr(HFVerifier, "_forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        v.verify_batch(calls)
+    monkeypatch.undo()
+    assert list(v.sessions) == ["s0"] and v.sessions.memory().in_use_bytes == v.sessions["s0"].positions * (
+        v.sessions.bytes_per_token)
+    got = v.verify_batch(calls)  # the seat is free again
+    assert isinstance(got[0], VerifyResult) and isinstance(got[1], PrefillResult)
+
+
 # -- over gRPC ----------------------------------------------------------------------------
 def test_verify_batch_over_grpc_equals_in_process(tiny_target):
     served, local = HFVerifier(tiny_target, (0, 2)), HFVerifier(tiny_target, (0, 2))
@@ -298,6 +367,15 @@ def test_verify_batch_over_grpc_equals_in_process(tiny_target):
             tags = {session_tag(f"anonymous/{sid}"): session_tag(sid) for sid in ("s0", "nope")}
             assert [functools.reduce(lambda t, kv: t.replace(*kv), tags.items(), str(e))
                     for e in got[3:]] == [str(e) for e in want[3:]]
+        # prompts among the trees, in the caller's order; a refused one in its slot
+        mixed = [PrefillCall("p0", tuple(PROMPTS[1])),
+                 VerifyCall("s4", 2, TokenTree.root_only(s["s4"].tokens[-1])),
+                 PrefillCall("s0", (1, 2)), PrefillCall("p1", tuple(PROMPTS[2]), SamplingParams(1.0, seed=3))]
+        got, want = remote.verify_batch(mixed), local.verify_batch(mixed)
+        assert_same_prefill(got[0], want[0])
+        assert_same(got[1], want[1])
+        assert isinstance(got[2], AlreadyExistsError) and isinstance(want[2], AlreadyExistsError)
+        assert_same_prefill(got[3], want[3])
         server.stop()
         down = remote.verify_batch(calls[:2])  # the whole call failed: every item's error
         assert len(down) == 2 and all(isinstance(e, VerifierUnavailableError) for e in down)

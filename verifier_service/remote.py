@@ -10,13 +10,22 @@ from collections.abc import Sequence
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.engine.messages import EngineError, VerifierUnavailableError
-from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyCall, VerifyResult
+from presto_sd.engine.verifier import (
+    BatchAnswer,
+    BatchCall,
+    PrefillCall,
+    PrefillResult,
+    Verifier,
+    VerifierInfo,
+    VerifyCall,
+    VerifyResult,
+)
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.errors import RemoteError
-from presto_sd.rpc.wire import sampling_to_pb, session_ref_to_pb
+from presto_sd.rpc.wire import session_ref_to_pb
 from verifier_service import wire
 
 
@@ -55,10 +64,8 @@ class RemoteVerifier(Verifier):
         anchor: int | None = None,
         restart: bool = False,
     ) -> PrefillResult:
-        request = verifier_pb2.VerifierPrefillRequest(
-            session_id=session_id, token_ids=token_ids, sampling=sampling_to_pb(sampling), anchor=anchor,
-            restart=restart,
-        )
+        call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+        request = wire.prefill_call_to_pb(call)
         return wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
 
     def verify(
@@ -67,20 +74,27 @@ class RemoteVerifier(Verifier):
         request = wire.verify_call_to_pb(VerifyCall(session_id, base, tree, want_node_probs))
         return wire.verify_result_from_pb(self.rpc.call(self.stub.Verify, request, self.timeout_s))
 
-    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
+    def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
         """One ``VerifyBatch`` call; a failure of the whole call is every item's error."""
         if not calls:
             return []
         request = wire.verify_batch_request_to_pb(calls)
         try:
-            msg = self.rpc.call(self.stub.VerifyBatch, request, self.timeout_s)
+            msg = self.rpc.call(self.stub.VerifyBatch, request, self.prefill_timeout_s if any(
+                isinstance(c, PrefillCall) for c in calls) else self.timeout_s)
         except EngineError as e:
             return [e] * len(calls)
         answers = wire.verify_batch_from_pb(msg, VerifierUnavailableError)
         if len(answers) != len(calls):
             error = RemoteError("INTERNAL", f"VerifyBatch: {len(answers)} answers to {len(calls)} items")
             return [error] * len(calls)
-        return answers
+        # the wire's order (trees, then prompts) back to the caller's
+        order = [j for j, c in enumerate(calls) if isinstance(c, VerifyCall)]
+        order += [j for j, c in enumerate(calls) if isinstance(c, PrefillCall)]
+        out: list[BatchAnswer] = [answers[0]] * len(calls)
+        for j, a in zip(order, answers):
+            out[j] = a
+        return out
 
     def step(self, session_id: str, base: int, anchor: int) -> VerifyResult:
         request = verifier_pb2.StepRequest(session=session_ref_to_pb(session_id, base), anchor=anchor)

@@ -16,10 +16,9 @@ import grpc
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from presto_sd.engine.messages import EngineError, LimitExceededError
 from presto_sd.engine.verifier import VerifierLimits, VerifyCall
-from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.tree import TokenTree
 from presto_sd.rpc.server import EngineHost
-from presto_sd.rpc.wire import sampling_from_pb, session_id_from, session_ref_from_pb, tree_from_pb
+from presto_sd.rpc.wire import session_id_from, session_ref_from_pb, tree_from_pb
 from verifier_service import wire
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
@@ -40,12 +39,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
         n, max_context = len(request.token_ids), self.limits().max_context
         if n + 1 > max_context:  # the engine's rule, before the list is built
             raise LimitExceededError(f"prefill: {n} tokens exceed max_context {max_context}")
-        sid = self.session_key(session_id_from(request.session_id))
-        sampling = sampling_from_pb(request.sampling) if request.HasField("sampling") else SamplingParams()
-        anchor = request.anchor if request.HasField("anchor") else None
-        tokens = list(request.token_ids)
+        call = wire.prefill_call_from_pb(request)
+        sid, tokens = self.session_key(call.session_id), list(call.token_ids)
         self.check_response(wire.prefill_response_bound(len(tokens), self._row_bytes()), "prefill")
-        res = await self.run_steps(context, "prefill_steps", sid, tokens, sampling, anchor, request.restart)
+        res = await self.run_steps(context, "prefill_steps", sid, tokens, call.sampling, call.anchor,
+                                   call.restart)
         return wire.prefill_result_to_pb(res)
 
     async def Verify(self, request, context: grpc.aio.ServicerContext):
@@ -58,18 +56,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
 
     async def VerifyBatch(self, request, context: grpc.aio.ServicerContext):
         limits = self.limits()
-        if len(request.items) > limits.max_sessions:  # items name distinct sessions
+        n = len(request.items) + len(request.prefills)
+        if n > limits.max_sessions:  # items name distinct sessions
             raise LimitExceededError(
-                f"verify_batch: {len(request.items)} items, more than the {limits.max_sessions} sessions "
-                "this verifier holds")
+                f"verify_batch: {n} items, more than the {limits.max_sessions} sessions this verifier holds")
         items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
                  for c in wire.verify_calls_from_pb(request, limits.tree.max_nodes)]  # malformed: own error
-        calls = [c for c in items if isinstance(c, VerifyCall)]
+        calls = [c for c in items if not isinstance(c, EngineError)]
         row = self._row_bytes()
-        bound = sum(wire.verify_response_bound(c, row) for c in calls)
+        bound = sum(wire.verify_response_bound(c, row) if isinstance(c, VerifyCall)
+                    else wire.prefill_response_bound(len(c.token_ids), row) for c in calls)
         self.check_response(bound + wire.ITEM_ERROR_BOUND * len(items), "verify_batch")
         results = iter(await self.run(context, "verify_batch", calls))
-        return wire.verify_batch_to_pb([c if isinstance(c, EngineError) else next(results) for c in items])
+        answers = [c if isinstance(c, EngineError) else next(results) for c in items]
+        return wire.verify_batch_to_pb(answers, len(request.items))
 
     async def Step(self, request, context: grpc.aio.ServicerContext):
         sid, base = session_ref_from_pb(request.session)

@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from presto_pb.v1 import verifier_pb2 as pb
 from presto_sd.engine.messages import EngineError, UnavailableError
 from presto_sd.engine.verifier import (
+    BatchAnswer,
+    BatchCall,
+    PrefillCall,
     PrefillResult,
     VerifierInfo,
     VerifierLimits,
@@ -24,6 +27,9 @@ from presto_sd.rpc.wire import (
     items_from_pb,
     memory_from_pb,
     memory_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    session_id_from,
     session_ref_from_pb,
     session_ref_to_pb,
     tensor_from_pb,
@@ -94,27 +100,54 @@ def verify_call_from_pb(msg: pb.VerifyRequest, max_nodes: int | None = None) -> 
     return VerifyCall(session_id, base, tree_from_pb(msg.tree, max_nodes=max_nodes), msg.want_node_probs)
 
 
+def prefill_call_to_pb(c: PrefillCall) -> pb.VerifierPrefillRequest:
+    return pb.VerifierPrefillRequest(session_id=c.session_id, token_ids=c.token_ids,
+                                     sampling=sampling_to_pb(c.sampling), anchor=c.anchor, restart=c.restart)
+
+
+def prefill_call_from_pb(msg: pb.VerifierPrefillRequest) -> PrefillCall:
+    sampling = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else PrefillCall.sampling
+    anchor = msg.anchor if msg.HasField("anchor") else None
+    return PrefillCall(session_id_from(msg.session_id), tuple(msg.token_ids), sampling, anchor, msg.restart)
+
+
 # -- VerifyBatch: per item, its result or its own status ---------------------------------
-def verify_batch_request_to_pb(calls: Sequence[VerifyCall]) -> pb.VerifyBatchRequest:
-    return pb.VerifyBatchRequest(items=[verify_call_to_pb(c) for c in calls])
+# On the wire the trees travel in ``items`` and the prompts in ``prefills``; in Python one
+# list holds both, the trees first (``verify_calls_from_pb``), in the caller's order.
+def verify_batch_request_to_pb(calls: Sequence[BatchCall]) -> pb.VerifyBatchRequest:
+    return pb.VerifyBatchRequest(
+        items=[verify_call_to_pb(c) for c in calls if isinstance(c, VerifyCall)],
+        prefills=[prefill_call_to_pb(c) for c in calls if isinstance(c, PrefillCall)])
 
 
 def verify_calls_from_pb(
     msg: pb.VerifyBatchRequest, max_nodes: int | None = None
-) -> list[VerifyCall | EngineError]:
-    return items_from_pb(msg.items, lambda item: verify_call_from_pb(item, max_nodes))
+) -> list[BatchCall | EngineError]:
+    """The trees, then the prompts; a malformed one is its own error."""
+    return [*items_from_pb(msg.items, lambda item: verify_call_from_pb(item, max_nodes)),
+            *items_from_pb(msg.prefills, prefill_call_from_pb)]
 
 
-def verify_batch_to_pb(answers: Sequence[VerifyResult | EngineError]) -> pb.VerifyBatchResponse:
-    return pb.VerifyBatchResponse(items=[
-        pb.VerifyBatchItem(error=pb.VerifyItemError(**item_error_fields(a))) if isinstance(a, EngineError)
-        else pb.VerifyBatchItem(result=verify_result_to_pb(a)) for a in answers])
+def verify_batch_to_pb(answers: Sequence[BatchAnswer], trees: int | None = None) -> pb.VerifyBatchResponse:
+    """``answers``: the ``trees`` items' answers, then the prompts' (all items if not given)."""
+    trees = len(answers) if trees is None else trees
+
+    def error(e: EngineError) -> pb.VerifyItemError:
+        return pb.VerifyItemError(**item_error_fields(e))
+
+    return pb.VerifyBatchResponse(
+        items=[pb.VerifyBatchItem(error=error(a)) if isinstance(a, EngineError)
+               else pb.VerifyBatchItem(result=verify_result_to_pb(a)) for a in answers[:trees]],
+        prefills=[pb.PrefillBatchItem(error=error(a)) if isinstance(a, EngineError)
+                  else pb.PrefillBatchItem(result=prefill_result_to_pb(a)) for a in answers[trees:]])
 
 
 def verify_batch_from_pb(
     msg: pb.VerifyBatchResponse, unavailable: type[UnavailableError]
-) -> list[VerifyResult | EngineError]:
-    return answers_from_pb(msg.items, verify_result_from_pb, unavailable)
+) -> list[BatchAnswer]:
+    """The trees' answers, then the prompts'."""
+    return [*answers_from_pb(msg.items, verify_result_from_pb, unavailable),
+            *answers_from_pb(msg.prefills, prefill_result_from_pb, unavailable)]
 
 
 def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:

@@ -42,10 +42,12 @@ class VerifyRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., want_node_probs: _Optional[bool] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "prefills")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+    prefills: _containers.RepeatedCompositeFieldContainer[VerifierPrefillRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., prefills: _Optional[_Iterable[_Union[VerifierPrefillRequest, _Mapping]]] = ...) -> None: ...
 
 class VerifyItemError(_message.Message):
     __slots__ = ("code", "message")
@@ -63,11 +65,21 @@ class VerifyBatchItem(_message.Message):
     error: VerifyItemError
     def __init__(self, result: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[VerifyItemError, _Mapping]] = ...) -> None: ...
 
+class PrefillBatchItem(_message.Message):
+    __slots__ = ("result", "error")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    result: VerifierPrefillResponse
+    error: VerifyItemError
+    def __init__(self, result: _Optional[_Union[VerifierPrefillResponse, _Mapping]] = ..., error: _Optional[_Union[VerifyItemError, _Mapping]] = ...) -> None: ...
+
 class VerifyBatchResponse(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "prefills")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyBatchItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyBatchItem, _Mapping]]] = ...) -> None: ...
+    prefills: _containers.RepeatedCompositeFieldContainer[PrefillBatchItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyBatchItem, _Mapping]]] = ..., prefills: _Optional[_Iterable[_Union[PrefillBatchItem, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session", "anchor")

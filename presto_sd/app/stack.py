@@ -111,7 +111,8 @@ def orchestrated(args: argparse.Namespace):
 
     drafters, verifiers = replica_specs(args)
     tok = load_tokenizer(args.target)
-    config = OrchestratorConfig(args.max_requests, args.max_batch, args.max_batch_tokens)
+    config = OrchestratorConfig(args.max_requests, args.max_batch, args.max_batch_tokens,
+                                args.max_batch_prefill_tokens)
     orch = Orchestrator.start(drafters, verifiers, config,
                               detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
     vinfo = orch.verifiers.replicas[0].call("info").value

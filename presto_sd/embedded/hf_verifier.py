@@ -32,8 +32,11 @@ from presto_sd.engine.messages import (
     check_base,
     session_tag,
 )
-from presto_sd.engine.sessions import SessionTable
+from presto_sd.engine.sessions import Seat, SessionTable
 from presto_sd.engine.verifier import (
+    BatchAnswer,
+    BatchCall,
+    PrefillCall,
     PrefillResult,
     Verifier,
     VerifierInfo,
@@ -191,6 +194,27 @@ class HFVerifier(Verifier):
         forward; the session opens only after the last chunk, so a generator closed early
         (a deadline, a cancelled call) leaves the table as it was.
         """
+        self._check_prompt(token_ids, anchor)
+        seat = self.sessions.seat(session_id, len(token_ids), restart)
+        try:
+            kv, feats = SessionKV.for_model(self.model), []
+            for start in range(0, len(token_ids), self.prefill_chunk):
+                if start:
+                    yield  # between chunks: the engine may run other sessions' calls
+                chunk = token_ids[start : start + self.prefill_chunk]
+                positions = range(start, start + len(chunk))
+                hidden, f = self._forward([Segment(kv, 0, len(chunk))], chunk, positions)
+                kv.keep(range(len(chunk)))
+                feats.append(f)
+            call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+            session, result = self._new_session(call, kv, self._logits(hidden[-1]),
+                                                torch.cat(feats) if len(feats) > 1 else feats[0])
+            self.sessions.open(seat, session)
+        finally:
+            self.sessions.release(seat)
+        return result
+
+    def _check_prompt(self, token_ids: Sequence[int], anchor: int | None) -> None:
         if not token_ids:
             raise InvalidArgumentError("prefill.token_ids: empty prompt")
         bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
@@ -201,27 +225,18 @@ class HFVerifier(Verifier):
             raise LimitExceededError(
                 f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
             )
-        seat = self.sessions.seat(session_id, len(token_ids), restart)
-        try:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-            kv, feats = SessionKV.for_model(self.model), []
-            for start in range(0, len(token_ids), self.prefill_chunk):
-                if start:
-                    yield  # between chunks: the engine may run other sessions' calls
-                chunk = token_ids[start : start + self.prefill_chunk]
-                positions = range(start, start + len(chunk))
-                hidden, f = self._forward([Segment(kv, 0, len(chunk))], chunk, positions)
-                kv.keep(range(len(chunk)))
-                feats.append(f)
-            if anchor is None:
-                anchor = sample_token(self._logits(hidden[-1]), sampling, generator)
-            session = _Session(kv, [*token_ids, anchor], sampling, generator)
-            delta = FeatureDelta(0, tuple(token_ids), torch.cat(feats) if len(feats) > 1 else feats[0])
-            self.sessions.open(seat, session)
-        finally:
-            self.sessions.release(seat)
-        return PrefillResult(anchor=anchor, delta=delta, base=len(token_ids))
+
+    def _new_session(self, call: PrefillCall, kv: SessionKV, last_logits: torch.Tensor,
+                     feats: torch.Tensor) -> tuple[_Session, PrefillResult]:
+        """The prefilled session (its KV committed) and its result; the caller opens it."""
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(call.sampling.seed if call.sampling.seed is not None else torch.seed())
+        anchor = call.anchor
+        if anchor is None:
+            anchor = sample_token(last_logits, call.sampling, generator)
+        session = _Session(kv, [*call.token_ids, anchor], call.sampling, generator)
+        delta = FeatureDelta(0, tuple(call.token_ids), feats)
+        return session, PrefillResult(anchor=anchor, delta=delta, base=len(call.token_ids))
 
     @torch.inference_mode()
     def verify(
@@ -232,35 +247,48 @@ class HFVerifier(Verifier):
         return self._verify([(s, VerifyCall(session_id, base, tree, want_node_probs))])[0]
 
     @torch.inference_mode()
-    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
-        """Every valid call's tree (an AR step is a root-only tree) in ONE target forward.
+    def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
+        """Every valid call in ONE target forward: each tree (an AR step is a root-only
+        tree), and each new session's prompt (``PrefillCall``, run whole, not chunked).
 
-        Each call is checked as ``verify`` checks it, and a session named twice is refused
-        the second time (INVALID_ARGUMENT); a refused call gets its error in its slot and
-        stays out of the forward, its session untouched. Each session then walks its own
-        nodes with its own generator (so draws are those of sequential ``verify``) and
-        keeps its accepted path. Each call's nodes are admitted against the KV budget as
-        it is checked. A failure anywhere leaves every session at its base.
+        Each call is checked as ``verify`` / ``prefill`` check it, and a session named twice
+        is refused the second time (INVALID_ARGUMENT); a refused call gets its error in its
+        slot and stays out of the forward, its session untouched. Each session then walks
+        its own nodes with its own generator (so draws are those of sequential ``verify``)
+        and keeps its accepted path; each prompt opens its session. Each call's positions
+        are admitted against the KV budget as it is checked. A failure anywhere leaves every
+        session at its base and opens none.
         """
-        out: list[VerifyResult | EngineError | None] = [None] * len(calls)
-        todo: list[tuple[int, _Session]] = []
+        out: list[BatchAnswer | None] = [None] * len(calls)
+        verifies: list[tuple[int, _Session]] = []
+        prompts: list[tuple[int, Seat]] = []
         seen: set[str] = set()
-        for j, c in enumerate(calls):
-            try:
-                if c.session_id in seen:
-                    raise InvalidArgumentError(
-                        f"verify_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
-                        "this batch"
-                    )
-                seen.add(c.session_id)
-                s = self._check(c.session_id, c.base, c.tree)
-                self.sessions.admit(len(c.tree.tokens), f"a verify of {len(c.tree.tokens)} nodes")
-                todo.append((j, s))
-            except EngineError as e:
-                out[j] = e
-        if todo:
-            for (j, _), r in zip(todo, self._verify([(s, calls[j]) for j, s in todo])):
-                out[j] = r
+        try:
+            for j, c in enumerate(calls):
+                try:
+                    if c.session_id in seen:
+                        raise InvalidArgumentError(
+                            f"verify_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
+                            "this batch"
+                        )
+                    seen.add(c.session_id)
+                    if isinstance(c, PrefillCall):
+                        self._check_prompt(c.token_ids, c.anchor)
+                        prompts.append((j, self.sessions.seat(c.session_id, len(c.token_ids), c.restart)))
+                    else:
+                        s = self._check(c.session_id, c.base, c.tree)
+                        self.sessions.admit(len(c.tree.tokens), f"a verify of {len(c.tree.tokens)} nodes")
+                        verifies.append((j, s))
+                except EngineError as e:
+                    out[j] = e
+            if verifies or prompts:
+                answers = self._run([(s, calls[j]) for j, s in verifies],
+                                    [(calls[j], seat) for j, seat in prompts])
+                for j, a in zip([j for j, _ in verifies] + [j for j, _ in prompts], answers):
+                    out[j] = a
+        finally:
+            for _, seat in prompts:
+                self.sessions.release(seat)  # a no-op for the ones that opened
         return out
 
     # -- verification steps, shared by verify and verify_batch ----------------------------
@@ -287,7 +315,12 @@ class HFVerifier(Verifier):
         return s
 
     def _verify(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
-        """Checked calls on distinct sessions: one forward, the walks, then the commits.
+        return self._run(items, [])  # type: ignore[return-value]
+
+    def _run(self, items: list[tuple[_Session, VerifyCall]],
+             prompts: list[tuple[PrefillCall, Seat]]) -> list[VerifyResult | PrefillResult]:
+        """Checked calls on distinct sessions: one forward, the walks, then the commits; the
+        seated prompts' sessions open last. Answers: the verifies', then the prompts'.
 
         Only single-tree forwards refine the cost model (TAPS's ``c(B)`` is per tree), timed
         over the same span as the calibration's: the whole verification.
@@ -300,17 +333,31 @@ class HFVerifier(Verifier):
             segments.append(Segment(s.kv, len(input_ids), n, mask))
             input_ids += c.tree.tokens
             positions += [c.base + d for d in c.tree.depths]
+        for c, _ in prompts:  # a new session's prompt: causal, from position 0
+            segments.append(Segment(SessionKV.for_model(self.model), len(input_ids), len(c.token_ids)))
+            input_ids += c.token_ids
+            positions += range(len(c.token_ids))
         rngs = [s.generator.get_state() for s, _ in items]
         try:
             hidden, feats = self._forward(segments, input_ids, positions)
-            # every walk starts at its root: those rows' logits in one lm_head matmul, not one each
-            roots = self._logits(hidden[[seg.start for seg in segments]]) if len(items) > 1 else None
+            # every walk starts at its root, every prompt's anchor is drawn from its last row:
+            # those rows' logits in one lm_head matmul, not one each
+            heads = None
+            if len(segments) > 1:
+                rows = [seg.start for seg in segments[: len(items)]]
+                heads = self._logits(hidden[rows + [seg.start + seg.n - 1 for seg in segments[len(items):]]])
             walked = []
             for k, ((s, c), seg) in enumerate(zip(items, segments)):
                 rows = slice(seg.start, seg.start + seg.n)
-                root = None if roots is None else roots[k]
+                root = None if heads is None else heads[k]
                 walked.append((*self._walk(s, c.tree, hidden[rows], c.want_node_probs, root), feats[rows]))
-            results = []
+            opened = []
+            for k, ((c, seat), seg) in enumerate(zip(prompts, segments[len(items):]), start=len(items)):
+                last = heads[k] if heads is not None else self._logits(hidden[seg.start + seg.n - 1])
+                seg.kv.keep(range(seg.n))
+                prompt_feats = feats[seg.start : seg.start + seg.n]
+                opened.append((seat, *self._new_session(c, seg.kv, last, prompt_feats)))
+            results: list[VerifyResult | PrefillResult] = []
             for (s, c), (walk, node_probs, f) in zip(items, walked):
                 s.kv.keep(walk.path)
                 results.append(self._commit(s, c.base, c.tree, walk, f, node_probs))
@@ -318,8 +365,11 @@ class HFVerifier(Verifier):
             for (s, c), rng in zip(items, rngs):
                 _rollback(s, c.base, rng)  # never half-applied
             raise
-        if len(items) == 1 and self.forward_costs.prior is not None:  # refine the fit, never replace it
-            (_, c), = items
+        for seat, session, result in opened:
+            self.sessions.open(seat, session)
+            results.append(result)
+        if len(items) == 1 and not prompts and self.forward_costs.prior is not None:
+            (_, c), = items  # refine the fit, never replace it
             self.forward_costs.observe(len(c.tree.tokens), c.base, time.perf_counter() - t0)
         return results
 

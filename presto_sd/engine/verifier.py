@@ -72,6 +72,22 @@ class VerifyCall:
     want_node_probs: bool = False
 
 
+@dataclass(frozen=True)
+class PrefillCall:
+    """A new session's prompt as an item of ``Verifier.verify_batch``: the prompt rides in the
+    same target forward as other sessions' steps (``prefill``'s arguments)."""
+
+    session_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    anchor: int | None = None
+    restart: bool = False
+
+
+BatchCall = VerifyCall | PrefillCall
+BatchAnswer = VerifyResult | PrefillResult | EngineError
+
+
 class Verifier(ABC):
     @abstractmethod
     def info(self) -> VerifierInfo: ...
@@ -98,17 +114,21 @@ class Verifier(ABC):
     ) -> VerifyResult:
         """One target forward over every tree node; sample-and-match; commit the path."""
 
-    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | EngineError]:
-        """Verify several sessions' trees; each answer is its call's result or its error.
+    def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
+        """Verify several sessions' trees, and prefill new sessions' prompts (``PrefillCall``);
+        each answer is its call's result or its error.
 
         One call's refusal (a stale base, a bad tree) never fails the others. This default
-        verifies one call after another; engines that can put every tree into ONE forward
-        override it, with results equal to these.
+        runs one call after another; engines that can put every tree and prompt into ONE
+        forward override it, with results equal to these.
         """
-        out: list[VerifyResult | EngineError] = []
+        out: list[BatchAnswer] = []
         for c in calls:
             try:
-                out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs))
+                if isinstance(c, PrefillCall):
+                    out.append(self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart))
+                else:
+                    out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs))
             except EngineError as e:
                 out.append(e)
         return out
