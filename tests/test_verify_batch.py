@@ -27,7 +27,8 @@ from presto_sd.engine.verifier import PrefillCall, PrefillResult, VerifierLimits
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree, TreeLimits
-from presto_sd.models.session_kv import Segment, SessionKV, packed_forward
+from presto_sd.models import session_kv
+from presto_sd.models.session_kv import KVStore, Segment, SessionKV, packed_forward
 from tests.conftest import hf_greedy, make_engines
 from tests.rpc_util import LocalServer
 from verifier_service.remote import RemoteVerifier
@@ -91,6 +92,50 @@ def test_a_lone_session_computes_exactly_a_cached_forward(tiny_target):
     for layer, theirs in enumerate(ref.layers):
         assert torch.equal(kv.committed(layer)[0], theirs.keys)
     assert tiny_target.config._attn_implementation != "presto_sessions"  # restored after each forward
+
+
+def test_store_slots_grow_move_between_classes_and_come_back():
+    store = KVStore(layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, page_slots=2, min_capacity=4)
+    a, b, c = store.session(), store.session(), store.session()
+    for kv, n in ((a, 3), (b, 4), (c, 2)):
+        kv.reserve(n)
+    assert [(kv.capacity, kv.slot) for kv in (a, b, c)] == [(4, 0), (4, 1), (4, 0)]
+    assert a.page is b.page and c.page is not a.page and a.page.slots == 2  # a full page: a new one
+    entries = torch.arange(3.0).view(1, 1, 3, 1).expand(1, 1, 3, 2)
+    a.append([(entries, -entries)] * 2)
+    a.reserve(5)  # outgrows its class: moves to a slot of the next, with what it committed
+    assert (a.capacity, a.slot) == (8, 0) and torch.equal(a.committed(1)[0], entries)
+    d = store.session()
+    d.reserve(1)
+    assert (d.page, d.slot) == (b.page, 0)  # a's old slot came back
+    del b
+    e = store.session()
+    e.reserve(4)
+    assert (e.page, e.slot) == (d.page, 1)  # so did b's, when it was dropped
+
+
+def test_ar_steps_of_many_sessions_attend_in_one_call(tiny_target, monkeypatch):
+    """AR rows of sessions on a shared page go through one attention call per page, equal to
+    one-by-one; sessions cross capacity classes (moving slots) as they grow."""
+    batched, ref = HFVerifier(tiny_target, (0, 2)), HFVerifier(tiny_target, (0, 2))
+    batched.kv_store = KVStore.for_model(tiny_target, page_slots=4, min_capacity=8)
+    prompts = [*PROMPTS, [3, 1, 4, 1, 5]]  # five sessions: a page of four, and one alone
+    for i, prompt in enumerate(prompts):
+        assert batched.prefill(f"s{i}", prompt).anchor == ref.prefill(f"s{i}", prompt).anchor
+    calls_per_forward = []
+    real = session_kv._page_attention
+    monkeypatch.setattr(session_kv, "_page_attention",
+                        lambda *a, **k: calls_per_forward.append(len(a[2])) or real(*a, **k))
+    for _ in range(6):
+        calls = [VerifyCall(sid, s.base, TokenTree.root_only(s.tokens[-1]))
+                 for sid, s in ref.sessions.items()]
+        for c, res in zip(calls, batched.verify_batch(calls)):
+            assert_same(res, ref.verify(c.session_id, c.base, c.tree))
+    for sid in ref.sessions:
+        assert_same_caches(batched, ref, sid)
+    layers = tiny_target.config.num_hidden_layers
+    assert len(calls_per_forward) >= 6 * layers and max(calls_per_forward) >= 3
+    assert {kv.capacity for kv in (s.kv for s in batched.sessions.values())} >= {16, 32}
 
 
 # -- against per-request verification on the tiny target ----------------------------------

@@ -53,7 +53,7 @@ from presto_sd.method.acceptance import (
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
-from presto_sd.models.session_kv import Segment, SessionKV, packed_forward
+from presto_sd.models.session_kv import KVStore, Segment, SessionKV, packed_forward
 
 
 @dataclass
@@ -110,6 +110,8 @@ class HFVerifier(Verifier):
         )
         # one position's feature row: the response size of a prefill or verify follows from it
         self.feature_row_bytes = len(self.target_layer_ids) * model.config.hidden_size * model.dtype.itemsize
+        # sessions' KV as slots of shared pages: one attention call reads many AR steps in place
+        self.kv_store = KVStore.for_model(model)
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
 
@@ -197,7 +199,7 @@ class HFVerifier(Verifier):
         self._check_prompt(token_ids, anchor)
         seat = self.sessions.seat(session_id, len(token_ids), restart)
         try:
-            kv, feats = SessionKV.for_model(self.model), []
+            kv, feats = self.kv_store.session(), []
             for start in range(0, len(token_ids), self.prefill_chunk):
                 if start:
                     yield  # between chunks: the engine may run other sessions' calls
@@ -334,7 +336,7 @@ class HFVerifier(Verifier):
             input_ids += c.tree.tokens
             positions += [c.base + d for d in c.tree.depths]
         for c, _ in prompts:  # a new session's prompt: causal, from position 0
-            segments.append(Segment(SessionKV.for_model(self.model), len(input_ids), len(c.token_ids)))
+            segments.append(Segment(self.kv_store.session(), len(input_ids), len(c.token_ids)))
             input_ids += c.token_ids
             positions += range(len(c.token_ids))
         rngs = [s.generator.get_state() for s, _ in items]

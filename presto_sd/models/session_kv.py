@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -28,55 +30,156 @@ _ROUND = 16  # capacities are multiples of this
 _GROWTH = 1.5  # a full buffer grows to this many times what it needs: amortised O(1) appends
 
 
-class SessionKV:
-    """One session's keys and values, per layer [1, kv_heads, capacity, head_dim].
+class KVPage:
+    """Slots of per-layer key and value tensors [slots, kv_heads, capacity, head_dim].
 
-    ``length`` entries are committed; a full buffer grows to 1.5x what it needs, so
-    appending is amortised O(1) per token and nothing is copied per step. The session
-    tables' KV budget counts committed positions: the growth room is up to half again.
+    Each slot holds one session's KV. The slots of a shared page (``KVStore``) sit side by
+    side in one tensor, so one attention call reads many sessions' AR steps in place. The
+    slot count doubles up to ``max_slots`` as sessions arrive (copying only this page).
+    """
+
+    def __init__(self, layers: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                 capacity: int, max_slots: int = 1, shared: bool = False) -> None:
+        self.layers, self.shape, self.dtype, self.device = layers, shape, dtype, device
+        self.capacity, self.max_slots, self.shared = capacity, max_slots, shared
+        self.keys = [self._zeros(1) for _ in range(layers)]
+        self.values = [self._zeros(1) for _ in range(layers)]
+        self._used: set[int] = set()
+        self._lock = threading.Lock()  # a finalizer may give a slot back from any thread
+
+    def _zeros(self, slots: int) -> torch.Tensor:
+        # zeros, not empty: a masked position is never weighted, but 0 * NaN would still be NaN
+        return torch.zeros(slots, self.shape[0], self.capacity, self.shape[1], dtype=self.dtype,
+                           device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    def take(self) -> int | None:
+        """The lowest free slot (growing the page), or None when the page is full."""
+        with self._lock:
+            slot = next((i for i in range(self.max_slots) if i not in self._used), None)
+            if slot is None:
+                return None
+            if slot >= self.slots:
+                grown = min(self.max_slots, 2 * self.slots)
+                for buffers in (self.keys, self.values):
+                    for i, old in enumerate(buffers):
+                        buffers[i] = torch.cat([old, self._zeros(grown - old.shape[0])])
+            self._used.add(slot)
+            return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._used.discard(slot)
+
+
+class KVStore:
+    """The shared pages of an engine's sessions, by capacity class (``min_capacity`` x 2^k).
+
+    A session lives in one slot; outgrowing it moves it to a slot of the next class (a copy
+    of its committed part, amortised O(1) per token). Slots come back when a session's
+    ``SessionKV`` is dropped, however its session ends.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", page_slots: int = 16, min_capacity: int = 256) -> None:
+        self.layers, self.shape, self.dtype = layers, (kv_heads, head_dim), dtype
+        self.device = torch.device(device)
+        self.page_slots, self.min_capacity = page_slots, min_capacity
+        self.pages: dict[int, list[KVPage]] = {}
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, **kwargs) -> KVStore:
+        return cls(*_kv_shape(model), model.dtype, model.device, **kwargs)
+
+    def session(self) -> SessionKV:
+        return SessionKV(self.layers, *self.shape, self.dtype, self.device, store=self)
+
+    def place(self, n: int) -> tuple[KVPage, int]:
+        """A free slot that holds ``n`` entries."""
+        capacity = self.min_capacity
+        while capacity < n:
+            capacity *= 2
+        pages = self.pages.setdefault(capacity, [])
+        for page in pages:
+            if (slot := page.take()) is not None:
+                return page, slot
+        page = KVPage(self.layers, self.shape, self.dtype, self.device, capacity, self.page_slots,
+                      shared=True)
+        pages.append(page)
+        return page, page.take()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pages hold (every slot allocated, free or not)."""
+        return sum(t.numel() * t.element_size() for pages in self.pages.values() for p in pages
+                   for t in (*p.keys, *p.values))
+
+
+class SessionKV:
+    """One session's keys and values: a slot of a page, per layer [1, kv_heads, capacity, head_dim].
+
+    ``length`` entries are committed. Without a store the session has a page of its own,
+    that grows to 1.5x what it needs; in a store (the verifier's) it moves to the next
+    capacity class. The session tables' KV budget counts committed positions: the growth
+    room is up to as much again.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", store: KVStore | None = None) -> None:
         self._shape, self.dtype, self.device = (kv_heads, head_dim), dtype, torch.device(device)
-        self.keys: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
-        self.values: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
+        self._layers, self.store = layers, store
+        self.page, self.slot = self._private(0), 0
+        self._release: weakref.finalize | None = None
         self.length = 0
 
     @classmethod
     def for_model(cls, model: PreTrainedModel) -> SessionKV:
-        c = model.config.get_text_config(decoder=True)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return cls(c.num_hidden_layers, kv_heads, head_dim, model.dtype, model.device)
+        return cls(*_kv_shape(model), model.dtype, model.device)
 
-    def _empty(self, capacity: int) -> torch.Tensor:
-        kv_heads, head_dim = self._shape
-        return torch.zeros(1, kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+    def _private(self, capacity: int) -> KVPage:
+        return KVPage(self._layers, self._shape, self.dtype, self.device, capacity)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer a view [1, kv_heads, capacity, head_dim] of this session's slot."""
+        return [t[self.slot : self.slot + 1] for t in self.page.keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [t[self.slot : self.slot + 1] for t in self.page.values]
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        return self.page.capacity
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffers hold (allocated capacity, not only the committed length)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes the slot holds (its capacity, not only the committed length)."""
+        kv_heads, head_dim = self._shape
+        return self.capacity * self.bytes_per_token(self._layers, kv_heads, head_dim, self.dtype)
 
     @staticmethod
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def reserve(self, n: int) -> None:
-        """Room for ``n`` entries; grows the buffers (copying only the committed part)."""
+        """Room for ``n`` entries; moves to a larger slot (copying only the committed part)."""
         if n <= self.capacity:
             return
-        capacity = -(-int(n * _GROWTH) // _ROUND) * _ROUND
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                new = self._empty(capacity)
-                new[:, :, : self.length] = old[:, :, : self.length]
-                buffers[i] = new
+        if self.store is not None:
+            page, slot = self.store.place(n)
+        else:
+            page, slot = self._private(-(-int(n * _GROWTH) // _ROUND) * _ROUND), 0
+        for new, old in ((page.keys, self.page.keys), (page.values, self.page.values)):
+            for t_new, t_old in zip(new, old):
+                t_new[slot, :, : self.length] = t_old[self.slot, :, : self.length]
+        if self._release is not None:
+            self._release()  # the old slot is free again
+        self.page, self.slot = page, slot
+        self._release = weakref.finalize(self, page.give, slot) if page.shared else None
 
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -84,18 +187,19 @@ class SessionKV:
         """New entries [1, kv_heads, T, head_dim] after the committed ones; the views
         [1, kv_heads, length + T, head_dim] that attention reads."""
         end = self.length + keys.shape[2]
-        self.keys[layer][:, :, self.length : end] = keys
-        self.values[layer][:, :, self.length : end] = values
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        k, v = self.page.keys[layer], self.page.values[layer]
+        k[self.slot, :, self.length : end] = keys[0]
+        v[self.slot, :, self.length : end] = values[0]
+        return k[self.slot : self.slot + 1, :, :end], v[self.slot : self.slot + 1, :, :end]
 
     def keep(self, new: Sequence[int]) -> None:
         """Commit the entries the last forward wrote at offsets ``new`` (increasing) after
         ``length``: moved in place to follow the committed ones."""
         if list(new) != list(range(len(new))):  # a tree path: move it down (a gather first)
             index = torch.tensor(new, dtype=torch.long, device=self.device) + self.length
-            for buffers in (self.keys, self.values):
-                for t in buffers:
-                    t[:, :, self.length : self.length + len(new)] = t.index_select(2, index)
+            for t in (*self.page.keys, *self.page.values):
+                row = t[self.slot]
+                row[:, self.length : self.length + len(new)] = row.index_select(1, index)
         self.length += len(new)
 
     def append(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -111,7 +215,15 @@ class SessionKV:
 
     def committed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of a layer's committed keys and values [1, kv_heads, length, head_dim]."""
-        return self.keys[layer][:, :, : self.length], self.values[layer][:, :, : self.length]
+        sl = slice(self.slot, self.slot + 1)
+        return self.page.keys[layer][sl, :, : self.length], self.page.values[layer][sl, :, : self.length]
+
+
+def _kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    c = model.config.get_text_config(decoder=True)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return c.num_hidden_layers, kv_heads, head_dim
 
 
 @dataclass(frozen=True)
@@ -170,21 +282,57 @@ def _session_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query/key/value [1, heads, N, head_dim] of the packed tokens -> [1, N, heads, head_dim]."""
+    """query/key/value [1, heads, N, head_dim] of the packed tokens -> [1, N, heads, head_dim].
+
+    AR steps of sessions that share a page attend in one call (``_page_attention``); a
+    tree, a prompt chunk, or a session alone on its page, by itself.
+    """
     segments = _SEGMENTS.get()
     if segments is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside packed_forward()")
     layer = module.layer_idx
-    outs = []
+    steps: dict[int, list[Segment]] = {}
     for s in segments:
+        if s.n == 1 and s.mask is None and s.kv.page.shared:
+            steps.setdefault(id(s.kv.page), []).append(s)
+    grouped = {id(s) for group in steps.values() if len(group) > 1 for s in group}
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    for s in segments:
+        if id(s) in grouped:
+            continue
         q = query[:, :, s.start : s.start + s.n]
         k, v = s.kv.write(layer, key[:, :, s.start : s.start + s.n], value[:, :, s.start : s.start + s.n])
         mask = s.mask
         if mask is None and s.n > 1 and s.kv.length > 0:  # a chunk after a prefix: causal, aligned right
             mask = _causal_mask(s.kv.length, s.n, query.dtype, query.device)
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
+        out[:, s.start : s.start + s.n], _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+    for group in steps.values():
+        if len(group) > 1:
+            _page_attention(module, layer, group, query, key, value, out, kwargs.get("scaling"))
+    return out, None
+
+
+def _page_attention(module: torch.nn.Module, layer: int, group: list[Segment], query: torch.Tensor,
+                    key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
+    """One AR token each of sessions on one page: their new entries written into their
+    slots, then one attention over the page's slots in place (rows of free slots in the
+    range attend to position 0 alone and are dropped)."""
+    page = group[0].kv.page
+    rows = torch.tensor([s.start for s in group], device=query.device)
+    slots = torch.tensor([s.kv.slot for s in group], device=query.device)
+    lengths = torch.tensor([s.kv.length for s in group], device=query.device)
+    page.keys[layer][slots, :, lengths] = key[0, :, rows].transpose(0, 1)
+    page.values[layer][slots, :, lengths] = value[0, :, rows].transpose(0, 1)
+    lo, hi, width = int(slots.min()), int(slots.max()) + 1, int(lengths.max()) + 1
+    q = query.new_zeros(hi - lo, query.shape[1], 1, query.shape[3])
+    q[slots - lo, :, 0] = query[0, :, rows].transpose(0, 1)
+    seen = torch.zeros(hi - lo, dtype=torch.long, device=query.device)
+    seen[slots - lo] = lengths
+    mask = torch.arange(width, device=query.device)[None] <= seen[:, None]
+    k, v = page.keys[layer][lo:hi, :, :width], page.values[layer][lo:hi, :, :width]
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None, None], scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    out[0, rows] = attn[slots - lo, :, 0]
 
 
 AttentionInterface.register(ATTENTION, _session_attention)
