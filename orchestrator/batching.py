@@ -4,11 +4,13 @@ many requests in one target forward, and new requests' prompts with them), ``dra
 on a drafter (their blocks in one drafter forward). While a verifier runs one batch, the
 requests of the last one draft theirs: the two engines overlap (docs/design.md §3).
 
-A batch that is not yet as large as the replica's open sessions lingers a moment for the
-rest: right after a batch returns, its requests' threads take a few milliseconds to queue
-their next call, and without the wait each step would go out as a few small batches.
-The wait is bounded (``linger_s``, and a tenth of the last batch's engine time), so a
-request that is drafting elsewhere never holds the others up for long.
+A batch that is not yet as large as the replica's open sessions lingers for the rest:
+right after a batch returns, its requests' threads queue their next calls one after
+another, and without the wait each step would go out as a few small batches (which then
+stay split: two half batches alternating). The wait ends when every session has a call
+queued, or ``linger_s`` after the last arrival, and never lasts past a quarter of the
+last batch's engine time, so a request that is drafting elsewhere never holds the others
+up for long. Steps and trees go out before new prompts, which fill what the bounds leave.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from concurrent.futures import Future
 
 from orchestrator.replicas import Replica
 from presto_sd.engine.drafter import DraftCall
-from presto_sd.engine.messages import EngineError
+from presto_sd.engine.messages import EngineError, UnavailableError
 from presto_sd.engine.verifier import PrefillCall, VerifyCall
 from presto_sd.method.batch_cost import BatchCostCurve
 
@@ -44,7 +46,7 @@ class Batcher:
         self.last_tokens = 0  # new tokens of the last batch: the load a request's tree joins
         self.last_calls = 0
         self.cost_curve = BatchCostCurve()  # seconds vs new tokens per forward (load-aware taps)
-        self._carry: tuple | None = None  # the call that did not fit the last batch: the next one's first
+        self._pending: list[tuple] = []  # calls that arrived and did not go out yet, in arrival order
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
         self._thread.start()
@@ -63,33 +65,72 @@ class Batcher:
         self._queue.put(None)
 
     def _run(self) -> None:
-        while True:
-            batch = [self._carry if self._carry is not None else self._queue.get()]
-            self._carry = None
-            tokens, prompt_tokens = _tokens(batch[-1]), _prompt_tokens(batch[-1])
-            deadline = time.monotonic() + min(self.linger_s, 0.1 * self._last_busy_s)
-            while batch[-1] is not None and len(batch) < self.max_batch:
-                wanted = min(self.max_batch, len(self.replica.sessions))
-                wait = deadline - time.monotonic() if len(batch) < wanted else 0.0
-                try:
-                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None and (tokens + _tokens(item) > self.max_batch_tokens
-                                         or prompt_tokens + _prompt_tokens(item) > self.max_prefill_tokens):
-                    self._carry = item
-                    break
-                batch.append(item)
-                tokens += _tokens(item)
-                prompt_tokens += _prompt_tokens(item)
-            stopping = batch[-1] is None
-            batch = [b for b in batch if b is not None]
+        stopping = False
+        while not stopping or self._pending:
+            if not self._pending:
+                stopping = self._arrive(self._queue.get())
+            stopping = self._linger() or stopping
+            batch = self._take()
             if batch:
                 self._send(batch)
-            if stopping:
-                if self._carry is not None:
-                    self._send([self._carry])
-                return
+
+    def _arrive(self, item: tuple | None) -> bool:
+        """Queue ``item``; True for the stop marker."""
+        if item is None:
+            return True
+        self._pending.append(item)
+        return False
+
+    def _linger(self) -> bool:
+        """Gather what arrives while the replica's other sessions are still coming.
+
+        Right after a batch its requests' threads queue their next calls one after another;
+        with many requests that takes longer than any fixed wait. So each arrival extends
+        the wait by ``linger_s``, up to a quarter of the last batch's engine time, and it
+        ends at once when every session has a call queued. True if the stop marker came.
+        """
+        start = time.monotonic()
+        cap = start + max(self.linger_s, 0.25 * self._last_busy_s)
+        deadline = min(cap, start + self.linger_s)
+        while len(self._pending) < min(self.max_batch, len(self.replica.sessions)):
+            wait = deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if self._arrive(item):
+                return True
+            deadline = min(cap, time.monotonic() + self.linger_s)
+        while True:  # whatever else is already queued
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if self._arrive(item):
+                return True
+
+    def _take(self) -> list[tuple]:
+        """The next batch from the pending calls: every step and tree first (in arrival
+        order, within the bounds), then prompts in arrival order while they fit, so a queue
+        of new prompts never holds running requests back. The rest stay pending."""
+        steps = [c for c in self._pending if not isinstance(c[0], PrefillCall)]
+        prompts = [c for c in self._pending if isinstance(c[0], PrefillCall)]
+        batch, tokens, prompt_tokens = [], 0, 0
+        for c in steps:
+            if len(batch) == self.max_batch or (batch and tokens + _tokens(c) > self.max_batch_tokens):
+                break
+            batch.append(c)
+            tokens += _tokens(c)
+        for c in prompts:
+            n = _prompt_tokens(c)
+            fits = tokens + n <= self.max_batch_tokens and prompt_tokens + n <= self.max_prefill_tokens
+            if len(batch) == self.max_batch or (batch and not fits):
+                break
+            batch.append(c)
+            tokens, prompt_tokens = tokens + n, prompt_tokens + n
+        taken = {id(c) for c in batch}
+        self._pending = [c for c in self._pending if id(c) not in taken]
+        return batch
 
     def _send(self, batch: list[tuple[VerifyCall | PrefillCall | DraftCall, Future, float]]) -> None:
         start = time.monotonic()
@@ -108,8 +149,11 @@ class Batcher:
         self.cost_curve.observe(self.last_tokens, out.busy_s)
         prompts = sum(1 for b in batch if isinstance(b[0], PrefillCall))
         self.on_batch(self.replica, len(batch), self.last_tokens, out.busy_s, prompts)
+        away = next((r for r in out.value if isinstance(r, UnavailableError)), None)
+        if away is not None:  # a remote engine that did not answer: its calls re-home from now on
+            self.replica.failed(away.code)
         for (_, fut, queued), res in zip(batch, out.value):
-            if isinstance(res, EngineError):
+            if isinstance(res, EngineError) and res is not away:
                 self.replica.metrics.error(self.replica.kind, res.code)
             fut.set_result((res, out.busy_s, start - queued))
 

@@ -1,8 +1,8 @@
-"""The driver's handles on the engine actors (docs/design.md §3).
+"""The driver's handles on the engines (docs/design.md §3).
 
-A ``Replica`` calls one engine actor with a deadline, re-raises the engine's named errors,
-and backs off after a failure (unreachable, dead, too slow); a ``ReplicaPool`` picks the
-healthy replica holding the fewest sessions.
+A ``Replica`` calls one engine (an actor, or a remote engine's client directly) with a
+deadline, re-raises the engine's named errors, and backs off after a failure (unreachable,
+dead, too slow); a ``ReplicaPool`` picks the healthy replica holding the fewest sessions.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from orchestrator.actors import Outcome, ReplicaSpec
+from orchestrator.actors import ActorEngine, DirectEngine, Outcome, ReplicaSpec
 from orchestrator.metrics import Metrics
 from presto_sd.engine.messages import DrafterUnavailableError, UnavailableError, VerifierUnavailableError
 
@@ -31,14 +30,20 @@ class Timeouts:
 
 
 class Replica:
-    def __init__(self, spec: ReplicaSpec, actor: Any, timeouts: Timeouts, metrics: Metrics) -> None:
-        self.kind, self.name, self.actor = spec.kind, spec.name, actor
+    def __init__(self, spec: ReplicaSpec, engine: ActorEngine | DirectEngine, timeouts: Timeouts,
+                 metrics: Metrics) -> None:
+        self.kind, self.name, self.engine = spec.kind, spec.name, engine
         self.timeouts, self.metrics = timeouts, metrics
         self.unavailable = DrafterUnavailableError if spec.kind == "drafter" else VerifierUnavailableError
         self.sessions: set[str] = set()  # requests whose session lives here
         self.down_until, self._wait = 0.0, timeouts.retry_s
         self.dead = False  # its actor is gone for good (no restarts left)
         self.max_context: int | None = None  # a verifier's context window, once asked
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor of an in-process engine (None: a remote engine, called directly)."""
+        return self.engine.actor
 
     @property
     def healthy(self) -> bool:
@@ -49,19 +54,21 @@ class Replica:
         if timeout_s is None:
             timeout_s = self.timeouts.drafter_s if self.kind == "drafter" else self.timeouts.verifier_s
         try:
-            out: Outcome = ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+            out: Outcome = self.engine.call(method, *args, timeout_s=timeout_s)
         except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
             self.dead = self.dead or isinstance(e, ActorDiedError)
-            self._failed("UNAVAILABLE")
+            self.failed("UNAVAILABLE")
             raise self.unavailable(f"{self.kind} replica {self.name}: {type(e).__name__}") from None
         self.metrics.busy(self.kind, self.name, out.busy_s)
         if out.error is not None:
-            self._failed(out.error.code, isinstance(out.error, UnavailableError))
+            self.failed(out.error.code, isinstance(out.error, UnavailableError))
             raise out.error
         self._wait = self.timeouts.retry_s
         return out
 
-    def _failed(self, code: str, down: bool = True) -> None:
+    def failed(self, code: str, down: bool = True) -> None:
+        """Count a failure; ``down``: skip the replica a while (backing off), so the next
+        call re-homes its session."""
         self.metrics.error(self.kind, code)
         if down:
             self.down_until = time.monotonic() + self._wait

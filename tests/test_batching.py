@@ -21,13 +21,14 @@ class FakeReplica:
         self.metrics = Metrics()
         self.batches: list[list] = []
         self.release = threading.Event()
+        self.busy_s = 0.001  # the engine time each batch reports
 
     def call(self, method: str, calls: list, timeout_s: float | None = None) -> Outcome:
         assert method == "verify_batch"
         self.batches.append(list(calls))
         if len(self.batches) == 1:
             self.release.wait(10)
-        return Outcome([f"done:{c.session_id}" for c in calls], None, 0.001)
+        return Outcome([f"done:{c.session_id}" for c in calls], None, self.busy_s)
 
 
 def step(sid: str) -> VerifyCall:
@@ -38,7 +39,7 @@ def prompt(sid: str, n: int) -> PrefillCall:
     return PrefillCall(sid, tuple(range(n)))
 
 
-def test_prompts_and_steps_share_a_batch_within_the_prompt_bound():
+def test_steps_go_first_and_prompts_fill_the_prompt_bound():
     replica, seen = FakeReplica(), []
     batcher = Batcher(replica, max_batch=64, on_batch=lambda *a: seen.append(a), max_batch_tokens=1024,
                       max_prefill_tokens=100)
@@ -52,11 +53,11 @@ def test_prompts_and_steps_share_a_batch_within_the_prompt_bound():
         replica.release.set()
         answers = [f.result(10)[0] for f in [first, *queued]]
         assert answers == ["done:s0", "done:s1", "done:p0", "done:s2", "done:p1", "done:s3"]
-        # p1 would take the batch's prompts past 100 tokens: it and what queued after it wait
+        # every step goes out, then prompts while they fit: p1 would pass 100 prompt tokens
         batches = [[c.session_id for c in b] for b in replica.batches]
-        assert batches == [["s0"], ["s1", "p0", "s2"], ["p1", "s3"]]
+        assert batches == [["s0"], ["s1", "s2", "s3", "p0"], ["p1"]]
         assert [a[4] for a in seen] == [0, 1, 1]  # prompts per batch, for the metrics
-        assert [a[2] for a in seen] == [1, 62, 61]  # new tokens per forward: a prompt's, a step's one
+        assert [a[2] for a in seen] == [1, 63, 60]  # new tokens per forward: a prompt's, a step's one
     finally:
         batcher.stop()
 
@@ -67,5 +68,27 @@ def test_prompts_never_join_a_drafter_batch():
     batcher = Batcher(replica, max_batch=8, on_batch=lambda *a: None, max_prefill_tokens=512)
     try:
         assert not batcher.takes_prompt(1)
+    finally:
+        batcher.stop()
+
+
+def test_a_stream_of_arrivals_keeps_the_batch_open():
+    """Calls that keep arriving (each well within linger_s of the last) join one batch, even
+    when all of them together take far longer than linger_s: many requests' threads
+    resubmitting after a batch must not split into two alternating half batches."""
+    replica = FakeReplica()
+    replica.busy_s = 4.0  # a quarter of it bounds the wait
+    batcher = Batcher(replica, max_batch=64, on_batch=lambda *a: None, linger_s=0.2)
+    try:
+        first = batcher.submit(step("s0"))
+        replica.release.set()
+        first.result(10)  # the last batch took 4 s (as reported): the wait may last up to 1 s
+        futures = []
+        for i in range(1, 7):  # 6 calls 20 ms apart: 100 ms in all, below 0.2 s after each one
+            futures.append(batcher.submit(step(f"s{i}")))
+            threading.Event().wait(0.02)
+        for f in futures:
+            f.result(10)
+        assert [len(b) for b in replica.batches] == [1, 6]
     finally:
         batcher.stop()
