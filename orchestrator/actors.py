@@ -1,10 +1,12 @@
-"""Ray actors that each hold one engine: a drafter or a verifier replica (docs/design.md §3).
+"""The engines the orchestrator calls: a drafter or a verifier replica each (docs/design.md §3).
 
-An actor builds its engine in its own process from a picklable factory: the in-process
-engines (``load_local``: the models loaded inside the actor) or the gRPC clients of
-remote servers (``connect_remote``). It runs one call at a time (the engines are not
-thread-safe; the servers queue anyway), times each call, and hands refusals back as values
-(``Outcome.error``) so the driver re-raises the engine's own named error.
+An in-process engine (``load_local``: the models loaded there) lives in a Ray actor, in
+its own process, built from a picklable factory; the actor runs one call at a time (the
+engines are not thread-safe). A remote engine (``connect_remote``: a gRPC client of a
+server) is called directly from the orchestrator's process (``DirectEngine``): a hop
+through an actor would only pickle every feature delta once more on its way to the
+server, and the server queues calls itself. Both time each call and hand refusals back as
+values (``Outcome.error``) so the driver re-raises the engine's own named error.
 """
 
 from __future__ import annotations
@@ -40,24 +42,27 @@ class EngineStats:
 
 
 class EngineActor:
-    """One engine in a Ray actor process; ``call`` runs any of its methods."""
+    """One engine, and ``call`` to run any of its methods: in a Ray actor process, or
+    (``portable=False``) in this one."""
 
-    def __init__(self, factory: Callable[[], Any], threads: int | None = None) -> None:
+    def __init__(self, factory: Callable[[], Any], threads: int | None = None, portable: bool = True) -> None:
         if threads:
             import torch
 
             torch.set_num_threads(threads)  # speed switch at the entry point, per process
         self.engine = factory()
+        self.portable = portable  # refusals cross a process boundary: make them picklable
         self.busy_s, self.calls, self.started = 0.0, 0, time.monotonic()
 
     def call(self, method: str, *args: Any) -> Outcome:
+        keep = _portable if self.portable else _same
         t0 = time.perf_counter()
         try:
             value, error = getattr(self.engine, method)(*args), None
             if method in ("verify_batch", "draft_batch"):  # per-call refusals travel inside the list
-                value = [_portable(v) if isinstance(v, EngineError) else v for v in value]
+                value = [keep(v) if isinstance(v, EngineError) else v for v in value]
         except EngineError as e:
-            value, error = None, _portable(e)
+            value, error = None, keep(e)
         busy = time.perf_counter() - t0
         self.busy_s += busy
         self.calls += 1
@@ -67,6 +72,10 @@ class EngineActor:
         sessions = getattr(self.engine, "sessions", None)
         return EngineStats(self.busy_s, self.calls, time.monotonic() - self.started,
                            None if sessions is None else len(sessions))
+
+
+def _same(e: EngineError) -> EngineError:
+    return e
 
 
 def _portable(e: EngineError) -> EngineError:
@@ -86,6 +95,7 @@ class ReplicaSpec:
     num_cpus: float = 0.0  # Ray resources; 0 so that a 2-CPU node still places every actor
     num_gpus: float = 0.0
     max_restarts: int = 0  # Ray restarts a crashed actor this often (its sessions are lost)
+    direct: bool = False  # called from the orchestrator's process (a remote engine's client), not an actor
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -117,7 +127,7 @@ def local_spec(kind: str, index: int, target: str | None, drafter: str | None,
 
 def remote_spec(kind: str, address: str, config: ClientConfig | None = None) -> ReplicaSpec:
     factory = functools.partial(_connect_remote, kind, address, config or ClientConfig())
-    return ReplicaSpec(kind, address, factory)
+    return ReplicaSpec(kind, address, factory, direct=True)
 
 
 def start_actor(spec: ReplicaSpec) -> ray.actor.ActorHandle:
@@ -127,3 +137,53 @@ def start_actor(spec: ReplicaSpec) -> ray.actor.ActorHandle:
         max_concurrency=1, name=None,
     )
     return cls.remote(spec.factory, spec.threads)
+
+
+# -- the two ways the driver calls an engine: the same three methods ---------------------
+class ActorEngine:
+    """An engine in a Ray actor."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.actor = start_actor(spec)
+
+    def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
+        return ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+
+    def stats(self) -> ray.ObjectRef:
+        """A reference: the driver gets every replica's at once."""
+        return self.actor.stats.remote()
+
+    def kill(self) -> None:
+        ray.kill(self.actor)
+
+
+class DirectEngine:
+    """A remote engine's gRPC client, called from this process (its own deadlines bound
+    each call; the server queues concurrent ones)."""
+
+    actor = None
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.local = EngineActor(spec.factory, portable=False)
+
+    def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
+        return self.local.call(method, *args)
+
+    def stats(self) -> EngineStats:
+        return self.local.stats()
+
+    def kill(self) -> None:
+        shutdown = getattr(self.local.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()  # closes the channel; the server's sessions expire or are closed
+
+
+def start_engine(spec: ReplicaSpec) -> ActorEngine | DirectEngine:
+    return DirectEngine(spec) if spec.direct else ActorEngine(spec)
+
+
+def engine_stats(engines: list[ActorEngine | DirectEngine]) -> list[EngineStats]:
+    stats = [e.stats() for e in engines]
+    refs = [s for s in stats if isinstance(s, ray.ObjectRef)]
+    got = iter(ray.get(refs))
+    return [next(got) if isinstance(s, ray.ObjectRef) else s for s in stats]

@@ -20,9 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import ray
-
-from orchestrator.actors import EngineStats, ReplicaSpec, start_actor
+from orchestrator.actors import EngineStats, ReplicaSpec, engine_stats, start_engine
 from orchestrator.batching import Batcher
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool, Timeouts
@@ -139,10 +137,11 @@ class Orchestrator:
         metrics: Metrics | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
     ) -> Orchestrator:
-        """Start one actor per spec (on the connected Ray) and wait until every engine is up."""
+        """Start every engine (in-process ones as actors on the connected Ray; remote ones'
+        clients here) and wait until every one is up."""
         metrics = metrics or Metrics()
-        replicas = [Replica(s, start_actor(s), config.timeouts, metrics) for s in (*drafters, *verifiers)]
-        ray.get([r.actor.stats.remote() for r in replicas])  # the engines have loaded
+        replicas = [Replica(s, start_engine(s), config.timeouts, metrics) for s in (*drafters, *verifiers)]
+        engine_stats([r.engine for r in replicas])  # the engines have loaded
         drafter_replicas = [r for r in replicas if r.kind == "drafter"]
         verifier_replicas = [r for r in replicas if r.kind == "verifier"]
         return cls(drafter_replicas, verifier_replicas, config, metrics, detokenize)
@@ -210,7 +209,7 @@ class Orchestrator:
     def engine_stats(self) -> dict[str, EngineStats]:
         """Per replica (``"drafter/<name>"``, ``"verifier/<name>"``): busy seconds, calls, sessions."""
         replicas = [*self.drafters.replicas, *self.verifiers.replicas]
-        stats = ray.get([r.actor.stats.remote() for r in replicas])
+        stats = engine_stats([r.engine for r in replicas])
         return {f"{r.kind}/{r.name}": s for r, s in zip(replicas, stats)}
 
     def close_idle(self, ttl_s: float) -> list[str]:
@@ -225,4 +224,4 @@ class Orchestrator:
             b.stop()
         if kill_actors:
             for r in [*self.drafters.replicas, *self.verifiers.replicas]:
-                ray.kill(r.actor)
+                r.engine.kill()

@@ -217,6 +217,8 @@ def test_killed_servers_mid_stream(tiny_dir, ray_local):
             wait_for(lines, "serving")
         orch = Orchestrator.start([remote_spec("drafter", addr["drafter", i]) for i in range(2)],
                                   [remote_spec("verifier", addr["verifier", i]) for i in range(2)])
+        # remote engines are called from this process (no actor holding a client in between)
+        assert all(r.actor is None for r in (*orch.drafters.replicas, *orch.verifiers.replicas))
         params = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=8, depth=4),
                                   max_new_tokens=40, stop_token_ids=eos, faults=FAST)
         prompts = [[1, 9690, 198, 100 + 17 * i] for i in range(6)]
