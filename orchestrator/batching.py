@@ -47,9 +47,20 @@ class Batcher:
         self.last_calls = 0
         self.cost_curve = BatchCostCurve()  # seconds vs new tokens per forward (load-aware taps)
         self._pending: list[tuple] = []  # calls that arrived and did not go out yet, in arrival order
+        self._away: set[str] = set()  # sessions whose requests are busy elsewhere (drafting)
+        self._away_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"batcher-{replica.name}")
         self._thread.start()
+
+    def away(self, session_id: str, away: bool) -> None:
+        """Mark a session as busy elsewhere (its request is at the drafter): a batch does not
+        linger for it, it joins the next one."""
+        with self._away_lock:
+            if away:
+                self._away.add(session_id)
+            else:
+                self._away.discard(session_id)
 
     def takes_prompt(self, tokens: int) -> bool:
         """Whether a prompt of ``tokens`` is prefilled in a batch (else alone, in chunks)."""
@@ -87,12 +98,13 @@ class Batcher:
         Right after a batch its requests' threads queue their next calls one after another;
         with many requests that takes longer than any fixed wait. So each arrival extends
         the wait by ``linger_s``, up to a quarter of the last batch's engine time, and it
-        ends at once when every session has a call queued. True if the stop marker came.
+        ends at once when every session not busy elsewhere (``away``: drafting) has a call
+        queued. True if the stop marker came.
         """
         start = time.monotonic()
         cap = start + max(self.linger_s, 0.25 * self._last_busy_s)
         deadline = min(cap, start + self.linger_s)
-        while len(self._pending) < min(self.max_batch, len(self.replica.sessions)):
+        while len(self._pending) < min(self.max_batch, len(self.replica.sessions) - len(self._away)):
             wait = deadline - time.monotonic()
             try:
                 item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +105,23 @@ class RoutedDrafter(_Routed, Drafter):
     def _call(self, method: str, *args: Any) -> Any:
         replica = self._home()
         timeout_s = replica.timeouts.prefill_s if method == "prefill" else None
-        out = replica.call(method, *args, timeout_s=timeout_s)
+        with self._away():
+            out = replica.call(method, *args, timeout_s=timeout_s)
         self.route.drafter_s += out.busy_s
         return out.value
+
+    @contextlib.contextmanager
+    def _away(self) -> Iterator[None]:
+        """While this request is at its drafter, its verifier's batches do not wait for it."""
+        batcher = self.batchers.get(self.route.verifier) if self.route.verifier is not None else None
+        if batcher is None:
+            yield
+            return
+        batcher.away(self.route.session_id, True)
+        try:
+            yield
+        finally:
+            batcher.away(self.route.session_id, False)
 
     def info(self) -> DrafterInfo:
         return self._call("info")
@@ -114,8 +130,9 @@ class RoutedDrafter(_Routed, Drafter):
         return self._call("prefill", session_id, delta, restart)
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        answer = self.batchers[self._home()].submit(DraftCall(session_id, anchor, base, params))
-        res, busy_s, _ = answer.result()
+        with self._away():
+            answer = self.batchers[self._home()].submit(DraftCall(session_id, anchor, base, params))
+            res, busy_s, _ = answer.result()
         self.route.drafter_s += busy_s
         if isinstance(res, BaseException):
             raise res

@@ -369,3 +369,12 @@ def test_a_restarted_drafter_brings_speculation_back(predictable_dir):
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(timeout=30)
+
+
+def test_up_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
+    from presto_sd.app.up import child_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE"  # two engines share the machine's cores
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert child_env()["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -51,6 +51,17 @@ def child_command(kind: str, args: argparse.Namespace, token_file: str | None = 
     return cmd
 
 
+def child_env() -> dict[str, str]:
+    """The servers' environment: ours, with OpenMP's idle threads sleeping (unless set).
+
+    `up` runs both engines on one machine, each with its own OpenMP pool. With threads
+    that spin while idle, one engine's spinning takes the cores the other computes on
+    (measured on a 2-vCPU machine, 2026-12-01: 16 `taps` streams 26 -> 31 tokens/s, one
+    `ar` stream 8.0 -> 8.7; `docs/benchmarks.md`, "Serving under load").
+    """
+    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 class _Child:
     """A server subprocess; its stderr is passed through, its JSON events are watched."""
 
@@ -60,7 +71,7 @@ class _Child:
         self.kind, self.events, self.echo = kind, {}, echo
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, env=child_env())
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

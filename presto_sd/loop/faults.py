@@ -1,8 +1,10 @@
 """What the generation loop does when an engine fails (docs/design.md §3, Faults).
 
-- The drafter only proposes, so it may fail: while it is down, timing out, full, or
-  restarted without our session, ``DrafterLink.draft`` returns None and the round is a plain AR
-  ``step`` on the verifier (still lossless). The link keeps every feature delta of the
+- The drafter only proposes, so it gets each round's feature delta only when it is asked
+  to draft next (the deltas of the rounds between travel as one commit), and it may fail:
+  while it is down, timing out, full, or restarted without our session,
+  ``DrafterLink.draft`` returns None and the round is a plain AR ``step`` on the verifier
+  (still lossless). The link keeps every feature delta of the
   request; when the drafter answers again it is caught up (the deltas it missed, or a
   fresh prefill from all of them) and speculation resumes.
 - The verifier holds the session's KV cache. When it loses the session (a restart:
@@ -65,9 +67,10 @@ class DrafterLink:
         self._catch_up()
 
     def commit(self, delta: FeatureDelta) -> None:
+        """Log the round's delta; the drafter gets it with the next draft (``_catch_up``): a
+        round that does not draft (an AR step, TAPS's gate shut) costs the drafter nothing,
+        and the deltas of several such rounds travel as one commit."""
         self.log.append(delta)
-        if self.synced == len(self.log) - 1 and not self.lost:
-            self._catch_up()
 
     def draft(self, anchor: int, base: int, params: TreeParams) -> DraftResult | None:
         """A tree, or None when the drafter cannot give one this round."""
@@ -93,9 +96,7 @@ class DrafterLink:
         try:
             if not self.lost:
                 try:
-                    for delta in self.log[self.synced:]:
-                        self.drafter.commit(self.sid, delta)
-                        self.synced += 1
+                    self.drafter.commit(self.sid, _concat(self.log[self.synced:]))
                 except (SessionNotFoundError, StaleBaseError):
                     self.lost = True
             if self.lost:
