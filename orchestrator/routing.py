@@ -166,15 +166,9 @@ class RoutedVerifier(_Routed, Verifier):
         if self._prefills:
             self.metrics.fallback("verifier_reprefill")
         self._prefills += 1
-        batcher = self.batchers[replica]
-        if batcher.takes_prompt(len(token_ids)):  # rides in a batch with other sessions' steps
-            answer = batcher.submit(PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart))
-            res, busy_s, queue_s = answer.result()
-            self.route.verifier_s += busy_s
-            self.route.queue_s += queue_s
-            if isinstance(res, BaseException):
-                raise res
-            return res
+        if self.batchers[replica].takes_prompt(len(token_ids)):  # rides in a batch with others' steps
+            call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+            return self._batched(replica, call)
         out = replica.call("prefill", session_id, token_ids, sampling, anchor, restart,
                            timeout_s=replica.timeouts.prefill_s)
         self.route.verifier_s += out.busy_s
@@ -183,8 +177,11 @@ class RoutedVerifier(_Routed, Verifier):
     def verify(
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
-        answer = self.batchers[self._home()].submit(VerifyCall(session_id, base, tree, want_node_probs))
-        res, busy_s, queue_s = answer.result()
+        return self._batched(self._home(), VerifyCall(session_id, base, tree, want_node_probs))
+
+    def _batched(self, replica: Replica, call: VerifyCall | PrefillCall) -> Any:
+        """``call``'s answer from the replica's next batch (its error raised)."""
+        res, busy_s, queue_s = self.batchers[replica].submit(call).result()
         self.route.verifier_s += busy_s
         self.route.queue_s += queue_s
         if isinstance(res, BaseException):
