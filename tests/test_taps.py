@@ -267,6 +267,22 @@ def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate(
         assert fb.should_draft() is not shuts
 
 
+def test_under_load_the_gate_probes_less_often():
+    """In a shared forward a losing probe slows every stream: the backoff grows past the
+    lone cap (8) to the loaded one (32); alone it stops at 8."""
+    from presto_sd.loop.taps_feedback import TapsFeedback
+    from presto_sd.method.batch_cost import SharedForward
+    from presto_sd.method.tree import TokenTree
+
+    loaded = _CalibratedVerifier()
+    loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=15.0)
+    root = TokenTree.root_only(7)
+    for verifier, want in ((loaded, [1, 2, 4, 8, 16, 32, 32]),
+                           (_CalibratedVerifier(), [1, 2, 4, 8, 8, 8, 8])):
+        fb = TapsFeedback(verifier)
+        assert [skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)] == want
+
+
 def test_taps_feedback_hands_the_loop_what_it_learned():
     from presto_sd.loop.taps_feedback import TapsFeedback
     from presto_sd.method.tree import TokenTree

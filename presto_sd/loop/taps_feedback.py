@@ -19,11 +19,12 @@
   each drafted round's saving against plain AR steps for the same tokens,
   ``tokens * t_ar - t_round`` with ``t_ar`` the cost model's one-token verify plus a
   commit, and keeps a moving average (weight 0.1 on the newest, from 0). While it is
-  negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (a
-  skipped round is a plain AR step; the drafter still gets the committed delta); a
-  drafted round that brings it back to >= 0 resets it. The average moves only on
-  drafted rounds, so after a long losing stretch it takes a few good probes, up to
-  ``max_backoff`` rounds apart, to reopen. Where trees pay (a GPU, a good drafter) the
+  negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (8), or
+  ``max_backoff_loaded`` (32) in a shared forward, where a losing probe slows every stream
+  in it. A skipped round is a plain AR step (the drafter gets its delta with the next
+  draft); a drafted round that brings the average back to >= 0 resets the backoff. The
+  average moves only on drafted rounds, so after a long losing stretch it takes a few
+  good probes, up to ``max_backoff`` rounds apart, to reopen. Where trees pay (a GPU, a good drafter) the
   gate stays open; where nothing beats AR, ``taps`` runs mostly AR steps and probes.
 
 Only ``taps`` reads it; one per request, so what it learns follows the request's domain.
@@ -41,7 +42,7 @@ from presto_sd.method.tree import TokenTree
 
 
 class TapsFeedback:
-    def __init__(self, verifier: Verifier, max_backoff: int = 8) -> None:
+    def __init__(self, verifier: Verifier, max_backoff: int = 8, max_backoff_loaded: int = 32) -> None:
         prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
@@ -52,6 +53,8 @@ class TapsFeedback:
         self.saving = MovingAverage(alpha=0.1, initial=0.0)
         self.acceptance = OnlineAcceptanceCalibrator()
         self.max_backoff = max_backoff
+        # in a shared forward a probe costs every stream in it, not only this one: probe less
+        self.max_backoff_loaded = max(max_backoff, max_backoff_loaded)
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
         self._verifier, self._rows = verifier, 1  # this request's rows in its last forward
 
@@ -99,7 +102,8 @@ class TapsFeedback:
         tokens = others + len(accepted) + 1
         self.saving.observe(tokens * ar_step_s - (draft_s + verify_s + commit_s))
         if self.saving.value < 0:
-            self._backoff = min(self.max_backoff, max(1, 2 * self._backoff))
+            cap = self.max_backoff if shared is None else self.max_backoff_loaded
+            self._backoff = min(cap, max(1, 2 * self._backoff))
             self._skip = self._backoff
         else:
             self._backoff = 0
