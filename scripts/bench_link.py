@@ -1,0 +1,201 @@
+"""The split deployment against the round trip between the services: tokens/s and taps' budgets vs RTT.
+
+    .venv/bin/python scripts/bench_link.py [--rtt-ms 0,0.5,2,5,10] [--max-new-tokens 48]
+        [--methods ar,presto-best-first@4,presto-best-first@16,taps] [--threads 1] [--out runs/link]
+
+Starts ``presto-sd serve verifier`` and ``presto-sd serve drafter`` (the shipped drafter)
+and puts an emulated link (``presto_sd.app.bench.link.DelayLink``: every byte held RTT/2
+each way) in front of each; the loop in this process drives both through their gRPC
+clients. For each RTT and method (``method@budget`` for a fixed budget) the same chat
+prompts run one after another, greedy; per row: tokens/s, tau, the mean tree size (for
+``taps``: the budgets it chose) and whether every output equals ``ar``'s at RTT 0. Then
+one ``taps`` request whose drafter link and then verifier link are cut for a second each
+mid-stream: its output must equal AR's too (the loop falls back to AR steps, then
+recovers). Writes ``link.json`` and ``link.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that reverses a string.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rtt-ms", default="0,0.5,2,5,10", help="round trips to emulate, comma-separated")
+    p.add_argument("--methods", default="ar,presto-best-first@4,presto-best-first@16,taps",
+                   help="comma-separated; METHOD@BUDGET for a fixed budget (taps: its cap, default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    p.add_argument("--out", default="runs/link")
+    return p.parse_args()
+
+
+class Links:
+    """Both links on one event loop thread; ``set_rtt`` applies to bytes arriving after it."""
+
+    def __init__(self, targets: dict[str, int]) -> None:
+        from presto_sd.app.bench.link import DelayLink
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.links = {k: DelayLink(("127.0.0.1", port)) for k, port in targets.items()}
+        self.ports = {k: self._run(link.start()) for k, link in self.links.items()}
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def set_rtt(self, rtt_s: float) -> None:
+        for link in self.links.values():
+            link.one_way_s = rtt_s / 2
+
+    def cut(self, kind: str) -> None:
+        self.loop.call_soon_threadsafe(self.links[kind].cut)
+
+    def restore(self, kind: str) -> None:
+        self.loop.call_soon_threadsafe(self.links[kind].restore)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            self._run(link.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def run(verifier, drafter, ids: list[int], params, on_round=None) -> dict:
+    from presto_sd.loop.generate import stream_generate
+
+    t0, tokens, rounds = time.perf_counter(), [], []
+    for chunk in stream_generate(verifier, drafter, ids, params):
+        tokens.extend(chunk.tokens)
+        if chunk.round is not None:
+            rounds.append(chunk.round)
+            if on_round is not None:
+                on_round(len(rounds))
+    return {"tokens": tokens, "wall": time.perf_counter() - t0, "rounds": rounds}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == label]
+        ax.plot([r["rtt_ms"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=label)
+    taps = [r for r in rows if r["method"].startswith("taps")]
+    bx.plot([r["rtt_ms"] for r in taps], [r["mean_tree_size"] for r in taps], marker="o", color="tab:red")
+    ax.set(xlabel="round trip between the services (ms)", ylabel="tokens/s (one request at a time)",
+           title="Split deployment vs link RTT")
+    bx.set(xlabel="round trip (ms)", ylabel="mean draft nodes per round", title="taps: the trees it chose")
+    ax.legend(fontsize=8)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+        a.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    from bench_grpc import spawn
+
+    from drafter_service.remote import RemoteDrafter
+    from presto_sd.app.generate import encode_prompt
+    from presto_sd.loop.generate import GenerationParams
+    from presto_sd.method.builders import TreeParams
+    from presto_sd.method.methods import get_method
+    from presto_sd.models.loading import load_tokenizer
+    from verifier_service.remote import RemoteVerifier
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shipped = str(ROOT / "presto_sd/assets/drafters/smollm2-135m")
+    serve = argparse.Namespace(drafter=shipped, threads=args.threads)
+    servers = {kind: spawn(kind, serve) for kind in ("verifier", "drafter")}
+    links = Links({kind: port for kind, (_, port, _) in servers.items()})
+    try:
+        verifier = RemoteVerifier(f"127.0.0.1:{links.ports['verifier']}", timeout_s=30)
+        drafter = RemoteDrafter(f"127.0.0.1:{links.ports['drafter']}")
+        tok = load_tokenizer(None)
+        prompts = [encode_prompt(tok, text, chat=True) for text in PROMPTS]
+        eos = verifier.info().eos_token_ids
+        dinfo = drafter.info()
+
+        def params(spec: str) -> GenerationParams:
+            from presto_sd.app.stack import tree_settings
+
+            method, _, budget = spec.partition("@")
+            rho, lambdas = tree_settings(method, None, None, dinfo)
+            tree = TreeParams(get_method(method).tree_method, int(budget or 16), rho=rho, lambdas=lambdas)
+            return GenerationParams(method, tree, args.max_new_tokens, stop_token_ids=eos)
+
+        methods = args.methods.split(",")
+        run(verifier, drafter, prompts[0][:8], params("taps"))  # warm-up: both servers, every path
+        reference: dict[int, list[int]] = {}
+        rows = []
+        for rtt_ms in [float(x) for x in args.rtt_ms.split(",")]:
+            links.set_rtt(rtt_ms / 1e3)
+            for spec in methods:
+                needs = get_method(spec.partition("@")[0]).needs_drafter
+                runs = [run(verifier, drafter if needs else None, ids, params(spec)) for ids in prompts]
+                for i, r in enumerate(runs):
+                    reference.setdefault(i, r["tokens"])
+                rounds = [x for r in runs for x in r["rounds"]]
+                tokens = sum(len(r["tokens"]) for r in runs)
+                row = {"rtt_ms": rtt_ms, "method": spec,
+                       "tokens_per_s": round(tokens / sum(r["wall"] for r in runs), 3),
+                       "tau": round(sum(x.accepted + 1 for x in rounds) / len(rounds), 3),
+                       "mean_tree_size": round(sum(x.tree_size for x in rounds) / len(rounds), 2),
+                       "equals_ar": all(r["tokens"] == reference[i] for i, r in enumerate(runs))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        # a cut mid-stream: the drafter's link for a second at round 5, the verifier's at round 15
+        links.set_rtt(2e-3)
+
+        def cut_at(n: int) -> None:
+            for at, kind in ((5, "drafter"), (15, "verifier")):
+                if n == at:
+                    links.cut(kind)
+                    threading.Timer(1.0, links.restore, args=(kind,)).start()
+
+        cut = run(verifier, drafter, prompts[0], params("taps"), on_round=cut_at)
+        cut_row = {"cut": "drafter at round 5, verifier at round 15, 1 s each, RTT 2 ms",
+                   "equals_ar": cut["tokens"] == reference[0],
+                   "fallback_rounds": sum(1 for x in cut["rounds"] if x.fallback)}
+        print(json.dumps(cut_row), flush=True)
+        (out / "link.json").write_text(json.dumps({"rows": rows, "cut": cut_row}, indent=1))
+        plot(rows, out / "link.png")
+        print("\n| RTT ms | method | tokens/s | tau | mean draft nodes | = AR |")
+        print("|---:|---|---:|---:|---:|---|")
+        for r in rows:
+            print(f"| {r['rtt_ms']:g} | {r['method']} | {r['tokens_per_s']:.2f} | {r['tau']:.2f} "
+                  f"| {r['mean_tree_size']:.1f} | {r['equals_ar']} |")
+    finally:
+        links.close()
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
