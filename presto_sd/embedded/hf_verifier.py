@@ -357,7 +357,8 @@ class HFVerifier(Verifier):
             for k, ((c, seat), seg) in enumerate(zip(prompts, segments[len(items):]), start=len(items)):
                 last = heads[k] if heads is not None else self._logits(hidden[seg.start + seg.n - 1])
                 seg.kv.keep(range(seg.n))
-                prompt_feats = feats[seg.start : seg.start + seg.n]
+                # its own copy: a view would keep (and pickle, to a Ray driver) the whole batch's
+                prompt_feats = feats[seg.start : seg.start + seg.n].clone()
                 opened.append((seat, *self._new_session(c, seg.kv, last, prompt_feats)))
             results: list[VerifyResult | PrefillResult] = []
             for (s, c), (walk, node_probs, f) in zip(items, walked):
