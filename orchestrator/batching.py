@@ -170,18 +170,16 @@ class Batcher:
             fut.set_result((res, out.busy_s, start - queued))
 
 
-def _tokens(item: tuple[VerifyCall | PrefillCall | DraftCall, Future, float] | None) -> int:
+def _tokens(item: tuple[VerifyCall | PrefillCall | DraftCall, Future, float]) -> int:
     """New tokens a call adds to the engine's forward: a tree's nodes, a prompt's tokens; a
     draft, one block."""
-    if item is None:
-        return 0
     if isinstance(item[0], VerifyCall):
         return len(item[0].tree.tokens)
     return _prompt_tokens(item) or 1
 
 
-def _prompt_tokens(item: tuple | None) -> int:
-    return len(item[0].token_ids) if item is not None and isinstance(item[0], PrefillCall) else 0
+def _prompt_tokens(item: tuple) -> int:
+    return len(item[0].token_ids) if isinstance(item[0], PrefillCall) else 0
 
 
 def _copy(e: EngineError) -> EngineError:

@@ -246,7 +246,7 @@ class HFVerifier(Verifier):
     ) -> VerifyResult:
         s = self._check(session_id, base, tree)
         self.sessions.admit(len(tree.tokens), f"a verify of {len(tree.tokens)} nodes")
-        return self._verify([(s, VerifyCall(session_id, base, tree, want_node_probs))])[0]
+        return self._run([(s, VerifyCall(session_id, base, tree, want_node_probs))], [])[0]
 
     @torch.inference_mode()
     def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
@@ -316,9 +316,6 @@ class HFVerifier(Verifier):
             )
         return s
 
-    def _verify(self, items: list[tuple[_Session, VerifyCall]]) -> list[VerifyResult]:
-        return self._run(items, [])  # type: ignore[return-value]
-
     def _run(self, items: list[tuple[_Session, VerifyCall]],
              prompts: list[tuple[PrefillCall, Seat]]) -> list[VerifyResult | PrefillResult]:
         """Checked calls on distinct sessions: one forward, the walks, then the commits; the
@@ -346,8 +343,9 @@ class HFVerifier(Verifier):
             # those rows' logits in one lm_head matmul, not one each
             heads = None
             if len(segments) > 1:
-                rows = [seg.start for seg in segments[: len(items)]]
-                heads = self._logits(hidden[rows + [seg.start + seg.n - 1 for seg in segments[len(items):]]])
+                roots = [seg.start for seg in segments[: len(items)]]
+                lasts = [seg.start + seg.n - 1 for seg in segments[len(items):]]
+                heads = self._logits(hidden[roots + lasts])
             walked = []
             for k, ((s, c), seg) in enumerate(zip(items, segments)):
                 rows = slice(seg.start, seg.start + seg.n)
