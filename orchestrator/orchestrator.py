@@ -68,7 +68,7 @@ class RequestStream:
 
     def _run(self) -> None:
         job, method = self.job, get_method(self.job.params.method)
-        finish = "cancelled"
+        finish, error = "cancelled", None
         stream = stream_generate(self.verifier, self.drafter if method.needs_drafter else None,
                                  list(job.prompt_ids), job.params, self.orch.detokenize, job.session_id,
                                  resume=job.resume)
@@ -83,10 +83,12 @@ class RequestStream:
                     break
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, as the loop raised it
             finish = f"error:{e.code}" if isinstance(e, EngineError) else "error:INTERNAL"
-            self.sink(e)
+            error = e
         finally:
             stream.close()  # a loop stopped early closes both sessions in its finally
-            self.orch._finished(self, finish)
+            self.orch._finished(self, finish)  # before the consumer hears of the end, error or not
+            if error is not None:
+                self.sink(error)
             self.sink(_END)
 
     def _chunk(self, chunk: TokenChunk, wall_s: float) -> StreamChunk:
