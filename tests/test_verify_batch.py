@@ -114,6 +114,28 @@ def test_store_slots_grow_move_between_classes_and_come_back():
     assert (e.page, e.slot) == (d.page, 1)  # so did b's, when it was dropped
 
 
+def test_a_slot_comes_back_from_a_finalizer_that_runs_inside_take():
+    """A garbage collection inside ``KVPage.take`` (it allocates) may drop a session, whose
+    finalizer gives its slot back on the same thread while ``take`` holds the page's lock:
+    that must not deadlock (it hung a verifier once)."""
+    import threading
+
+    store = KVStore(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, page_slots=4, min_capacity=4)
+    kv = store.session()
+    kv.reserve(2)
+    page, slot = kv.page, kv.slot
+
+    def reenter() -> None:
+        with page._lock:  # what ``take`` holds when the collector runs the finalizer
+            page.give(slot)
+
+    t = threading.Thread(target=reenter, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "give() deadlocked inside take()'s lock"
+    assert page.take() == slot
+
+
 def test_ar_steps_of_many_sessions_attend_in_one_call(tiny_target, monkeypatch):
     """AR rows of sessions on a shared page go through one attention call per page, equal to
     one-by-one; sessions cross capacity classes (moving slots) as they grow."""

@@ -45,7 +45,9 @@ class KVPage:
         self.keys = [self._zeros(1) for _ in range(layers)]
         self.values = [self._zeros(1) for _ in range(layers)]
         self._used: set[int] = set()
-        self._lock = threading.Lock()  # a finalizer may give a slot back from any thread
+        # a finalizer may give a slot back from any thread, or from this one: a garbage
+        # collection that runs inside ``take`` drops a session there (re-entrant, or it deadlocks)
+        self._lock = threading.RLock()
 
     def _zeros(self, slots: int) -> torch.Tensor:
         # zeros, not empty: a masked position is never weighted, but 0 * NaN would still be NaN
