@@ -48,6 +48,13 @@ class RemoteDrafter(Drafter):
         request = wire.draft_request_to_pb(DraftCall(session_id, anchor, base, params), self.want_marginals)
         return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
 
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+                         params: TreeParams) -> DraftResult:
+        """One ``Draft`` call carrying the commit: one round trip for both."""
+        call = DraftCall(session_id, anchor, base, params, commit=delta)
+        request = wire.draft_request_to_pb(call, self.want_marginals)
+        return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
+
     def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
         """One ``DraftBatch`` call; a failure of the whole call is every item's error."""
         if not calls:
@@ -72,6 +79,9 @@ class RemoteDrafter(Drafter):
 
     def close(self, session_id: str) -> None:
         self.rpc.call(self.stub.Close, common_pb2.CloseRequest(session_id=session_id), self.timeout_s)
+
+    def round_trip_s(self) -> float:
+        return self.rpc.round_trip_s
 
     def shutdown(self) -> None:
         """Close the channel (the sessions stay until closed or expired)."""

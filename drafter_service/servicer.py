@@ -17,7 +17,7 @@ from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from presto_sd.engine.messages import EngineError, InvalidArgumentError
 from presto_sd.rpc.decoding import off_loop
 from presto_sd.rpc.server import EngineHost
-from presto_sd.rpc.wire import delta_from_pb, session_id_from, session_ref_from_pb, tree_params_from_pb
+from presto_sd.rpc.wire import delta_from_pb, session_id_from, session_ref_from_pb
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 add_to_server = drafter_pb2_grpc.add_DrafterServiceServicer_to_server
@@ -34,9 +34,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         return drafter_pb2.DrafterPrefillResponse(base=base)
 
     async def Draft(self, request, context: grpc.aio.ServicerContext):
-        sid, base = session_ref_from_pb(request.session)
-        params = tree_params_from_pb(request.params)
-        res = await self.run(context, "draft", self.session_key(sid), request.anchor, base, params)
+        c = await off_loop(request.commit.ByteSize(), wire.draft_call_from_pb, request)  # a commit's features
+        sid = self.session_key(c.session_id)
+        if c.commit is None:
+            res = await self.run(context, "draft", sid, c.anchor, c.base, c.params)
+        else:
+            res = await self.run(context, "commit_and_draft", sid, c.commit, c.anchor, c.base, c.params)
         return wire.draft_result_to_pb(res, request.want_marginals)
 
     async def DraftBatch(self, request, context: grpc.aio.ServicerContext):

@@ -14,6 +14,8 @@ from presto_sd.method.scores import DraftMarginals
 from presto_sd.models.assets import DrafterDefaults
 from presto_sd.rpc.wire import (
     answers_from_pb,
+    delta_from_pb,
+    delta_to_pb,
     item_error_fields,
     items_from_pb,
     memory_from_pb,
@@ -71,12 +73,14 @@ def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
 
 def draft_request_to_pb(c: DraftCall, want_marginals: bool) -> pb.DraftRequest:
     return pb.DraftRequest(session=session_ref_to_pb(c.session_id, c.base), anchor=c.anchor,
-                           params=tree_params_to_pb(c.params), want_marginals=want_marginals)
+                           params=tree_params_to_pb(c.params), want_marginals=want_marginals,
+                           commit=None if c.commit is None else delta_to_pb(c.commit))
 
 
 def draft_call_from_pb(msg: pb.DraftRequest) -> DraftCall:
     sid, base = session_ref_from_pb(msg.session)
-    return DraftCall(sid, msg.anchor, base, tree_params_from_pb(msg.params))
+    commit = delta_from_pb(msg.commit) if msg.HasField("commit") else None
+    return DraftCall(sid, msg.anchor, base, tree_params_from_pb(msg.params), commit)
 
 
 def draft_calls_from_pb(msg: pb.DraftBatchRequest) -> list[DraftCall | EngineError]:

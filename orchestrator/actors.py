@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from presto_sd.engine.messages import EngineError
+from presto_sd.method.cost_model import RollingMedian
 from presto_sd.rpc.client import ClientConfig
 from presto_sd.rpc.errors import RemoteError
 
@@ -145,9 +146,19 @@ class ActorEngine:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         self.actor = start_actor(spec)
+        self.link = RollingMedian()  # the hop into the actor and back, beyond the engine's work
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
-        return ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+        t0 = time.perf_counter()
+        out: Outcome = ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+        self.link.observe(time.perf_counter() - t0 - out.busy_s)
+        return out
+
+    def round_trip_s(self) -> float:
+        return self.link.value
+
+    def link_calls(self) -> int:
+        return self.link.count
 
     def stats(self) -> ray.ObjectRef:
         """A reference: the driver gets every replica's at once."""
@@ -168,6 +179,14 @@ class DirectEngine:
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
         return self.local.call(method, *args)
+
+    def round_trip_s(self) -> float:
+        """The client's measure of its link (``RpcClient.round_trip_s``)."""
+        return self.local.engine.round_trip_s()
+
+    def link_calls(self) -> int:
+        rpc = getattr(self.local.engine, "rpc", None)
+        return rpc.link.count if rpc is not None else 0
 
     def stats(self) -> EngineStats:
         return self.local.stats()

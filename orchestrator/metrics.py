@@ -50,6 +50,9 @@ _SPECS: dict[str, tuple] = {
     "active": ("gauge", "presto_active_requests", "Requests being generated", (), None),
     "sessions": ("gauge", "presto_sessions", "Sessions a replica holds for live requests",
                  ("service", "replica"), None),
+    "link": ("gauge", "presto_link_round_trip_seconds", "What a call to an engine replica costs beyond "
+             "the engine's work: network round trip and transfer (remote), actor hop (in-process); "
+             "the median of its last calls, what taps prices each round with", ("service", "replica"), None),
     "fallbacks": ("counter", "presto_fallbacks", "Fault fallbacks, by kind", ("kind",), None),
     "gated": ("counter", "presto_taps_gated_rounds", "taps rounds run as plain AR steps while its "
               "draft gate was shut (drafting did not pay)", ("method",), None),
@@ -141,6 +144,9 @@ class Metrics:
 
     def busy(self, service: str, replica: str, seconds: float) -> None:
         self._emit("busy", seconds, service=service, replica=replica)
+
+    def link(self, service: str, replica: str, seconds: float) -> None:
+        self._emit("link", seconds, service=service, replica=replica)
 
     def active(self, n: int) -> None:
         self._emit("active", n)

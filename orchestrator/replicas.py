@@ -45,6 +45,11 @@ class Replica:
         """The Ray actor of an in-process engine (None: a remote engine, called directly)."""
         return self.engine.actor
 
+    def round_trip_s(self) -> float:
+        """A call's cost beyond the engine's work: the network to a remote engine, the actor
+        hop to an in-process one (median of the last calls)."""
+        return self.engine.round_trip_s()
+
     @property
     def healthy(self) -> bool:
         return not self.dead and time.monotonic() >= self.down_until
@@ -60,6 +65,7 @@ class Replica:
             self.failed("UNAVAILABLE")
             raise self.unavailable(f"{self.kind} replica {self.name}: {type(e).__name__}") from None
         self.metrics.busy(self.kind, self.name, out.busy_s)
+        self.metrics.link(self.kind, self.name, self.engine.round_trip_s())
         if out.error is not None:
             self.failed(out.error.code, isinstance(out.error, UnavailableError))
             raise out.error

@@ -81,6 +81,10 @@ class _Routed:
                 self._gauge()
             return new
 
+    def round_trip_s(self) -> float:
+        """The home replica's link (``Replica.round_trip_s``)."""
+        return self._home().round_trip_s()
+
     def close(self, session_id: str) -> None:
         """Close the session wherever it may live (the old homes too); best effort."""
         mine = [r for r in self.route.held if r.kind == self.kind]
@@ -130,9 +134,15 @@ class RoutedDrafter(_Routed, Drafter):
         return self._call("prefill", session_id, delta, restart)
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
+        return self._draft(DraftCall(session_id, anchor, base, params))
+
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+                         params: TreeParams) -> DraftResult:
+        return self._draft(DraftCall(session_id, anchor, base, params, commit=delta))
+
+    def _draft(self, call: DraftCall) -> DraftResult:
         with self._away():
-            answer = self.batchers[self._home()].submit(DraftCall(session_id, anchor, base, params))
-            res, busy_s, _ = answer.result()
+            res, busy_s, _ = self.batchers[self._home()].submit(call).result()
         self.route.drafter_s += busy_s
         if isinstance(res, BaseException):
             raise res

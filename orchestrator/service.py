@@ -217,4 +217,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
             default_method=d.params.method, default_tree=tree_params_to_pb(d.params.tree),
             default_max_new_tokens=d.params.max_new_tokens, max_requests=orch.config.max_requests,
             tokenizer=self.tokenizer is not None,
+            links=[pb.ReplicaLink(service=r.kind, replica=r.name, round_trip_s=r.round_trip_s(),
+                                  calls=r.engine.link_calls())
+                   for pool in (orch.drafters, orch.verifiers) for r in pool.replicas],
         )

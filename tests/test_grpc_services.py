@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from drafter_service.remote import RemoteDrafter
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, session_tag
+from presto_sd.engine.messages import EngineError, FeatureDelta, InvalidArgumentError, session_tag
 from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
 from presto_sd.rpc import wire
@@ -307,3 +307,49 @@ def test_delta_features_travel_exactly(stack):
     assert all(torch.equal(a, local.committed(layer)[0]) for layer, a in enumerate(k_remote))
     remote_d.close("exact")
     drafter.close("exact-local")
+
+
+def test_a_round_commits_and_drafts_in_one_call(tiny_target, stack):
+    """The loop's round sends the commit with the draft: ONE call to the drafter, the same
+    tree as a Commit then a Draft, and a refused one (a budget over the limit, a stale
+    start) applies nothing."""
+    _, drafter, remote_v, remote_d, _, _ = stack
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    prompt, step = torch.randn(3, width), torch.randn(2, width)
+    params = TreeParams("presto-beam", budget=8, depth=4)
+    for sid in ("one-call", "two-calls"):
+        remote_d.prefill(sid, FeatureDelta(0, (1, 2, 3), prompt))
+    calls = remote_d.rpc.stats.calls
+    one = remote_d.commit_and_draft("one-call", FeatureDelta(3, (4, 5), step), 6, 5, params)
+    assert remote_d.rpc.stats.calls == calls + 1
+    remote_d.commit("two-calls", FeatureDelta(3, (4, 5), step))
+    two = remote_d.draft("two-calls", 6, 5, params)
+    assert one.tree == two.tree and one.path_scores == pytest.approx(two.path_scores)
+    session = drafter.sessions["anonymous/one-call"]
+    assert session.base == 5
+    over_limit = TreeParams("presto-beam", budget=10_000)
+    refused = [(FeatureDelta(5, (6,), step[:1]), 6, over_limit),  # over the drafter's budget limit
+               (FeatureDelta(4, (6,), step[:1]), 5, params),  # stale: the session is at 5
+               (FeatureDelta(5, (6,), step[:1]), 9, params)]  # base is not the commit's end
+    for delta, base, p in refused:
+        with pytest.raises(EngineError):
+            remote_d.commit_and_draft("one-call", delta, 7, base, p)
+        assert session.base == 5 and len(session.tokens) == 5  # nothing applied
+    # the loop over gRPC sends its deltas this way: Commit is never called
+    res = generate(remote_v, remote_d, PROMPTS[0], _params("presto-beam", 16, budget=8, depth=4))
+    assert res.token_ids == hf_greedy(tiny_target, PROMPTS[0], 16)
+    for sid in ("one-call", "two-calls"):
+        remote_d.close(sid)
+
+
+def test_clients_measure_the_link_beyond_the_servers_work(stack):
+    """Each server reports its seconds in the call's trailers; a client's round_trip_s is
+    the rest (loopback here: well under the engine's own time)."""
+    _, _, remote_v, remote_d, _, _ = stack
+    remote_v.prefill("link", [1, 2, 3])
+    for _ in range(5):
+        remote_v.info(fresh=True)
+    assert remote_v.rpc.link.count >= 6
+    assert 0.0 < remote_v.round_trip_s() < 0.05
+    assert remote_d.rpc.link.count > 0 and remote_d.round_trip_s() < 0.05
+    remote_v.close("link")

@@ -79,6 +79,7 @@ def test_a_grpc_verifier_through_the_link(tiny_target):
         remote.info(fresh=True)
         assert time.monotonic() - t0 >= 0.02
         pre = remote.prefill("s", [1, 2, 3])
+        assert 0.02 <= remote.round_trip_s() < 0.2  # the client measures the link, not the engine
         loop.call_soon_threadsafe(link.cut)
         time.sleep(0.2)
         with pytest.raises(VerifierUnavailableError):

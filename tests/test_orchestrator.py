@@ -177,6 +177,11 @@ def test_bad_requests_get_their_status(stack):
     assert status == health_pb2.HealthCheckResponse.SERVING
     info = client.info()
     assert list(info.drafter_replicas) == ["tiny-0", "tiny-1"] and info.default_method == "marginal"
+    # every replica's link: here the hop into its Ray actor, measured on the calls so far
+    links = {(link.service, link.replica): link for link in info.links}
+    assert set(links) == {("drafter", "tiny-0"), ("drafter", "tiny-1"), ("verifier", "tiny-0")}
+    verifier_link = links["verifier", "tiny-0"]
+    assert verifier_link.calls > 0 and 0.0 < verifier_link.round_trip_s < 1.0
 
 
 def test_token_auth_guards_the_stream(tiny_target, stack):

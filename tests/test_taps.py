@@ -76,6 +76,33 @@ def test_budget_matches_brute_force(reaches, coeffs, draft_s, ctx):
     assert choice.budget <= want or choice.objective[choice.budget] > choice.objective[want]
 
 
+def test_a_slower_link_buys_a_bigger_tree():
+    """Every round pays the link whatever its tree: a dearer round favours more tokens per
+    round. At 0 ms this CPU-like cost keeps 5 nodes; at 10 ms 6, at 200 ms 9 (the budget
+    never shrinks as the RTT grows)."""
+    reaches = [0.4, 0.2, 0.12, 0.08, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01]
+    budgets = [choose_budget(reaches, CPU_LIKE, 300, 0.004, round_trip_s=rtt).budget
+               for rtt in (0.0, 0.002, 0.01, 0.05, 0.2)]
+    assert budgets == [5, 5, 6, 7, 9], budgets
+    seconds = choose_budget(reaches, CPU_LIKE, 300, 0.004, round_trip_s=0.01)
+    at_zero = choose_budget(reaches, CPU_LIKE, 300, 0.014)  # the link is a fixed cost, like drafting
+    assert seconds.objective == pytest.approx(at_zero.objective)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    reaches=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30),
+    coeffs=st.tuples(*[st.floats(0.0, 0.1)] * 5),
+    rtts=st.lists(st.floats(0.0, 0.5), min_size=2, max_size=5),
+)
+def test_the_budget_never_shrinks_as_the_round_trip_grows(reaches, coeffs, rtts):
+    reaches = sorted(reaches, reverse=True)  # pop order: reach never grows
+    cost = CostFit(*coeffs)
+    choices = [choose_budget(reaches, cost, 200, 0.005, round_trip_s=r) for r in sorted(rtts)]
+    for a, b in zip(choices, choices[1:]):  # up to ties within float noise
+        assert b.budget >= a.budget or b.objective[a.budget] == pytest.approx(b.objective[b.budget], rel=1e-8)
+
+
 def test_step_to_a_tree_beats_both_a_plain_step_and_a_small_tree():
     # 38 ms for one token, 57 ms for 2 and ~57 for 5 (SmolLM2 fp32 here): one cheap node
     # does not pay for the step, four do. A linear c(n) could not say both.
@@ -240,12 +267,46 @@ def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain
 
 class _CalibratedVerifier:
     shared = None  # SharedForward: the load a batching front would report
+    link_s = 0.0  # its client's measured round trip
 
     def cost_model(self):
         return CPU_LIKE
 
     def shared_forward(self, rows):
         return self.shared
+
+    def round_trip_s(self):
+        return self.link_s
+
+
+class _LinkedDrafter:
+    def __init__(self, link_s: float) -> None:
+        self.link_s = link_s
+
+    def round_trip_s(self):
+        return self.link_s
+
+
+def test_taps_feedback_prices_the_links_once():
+    """A split deployment: 5 ms to the verifier and 3 to the drafter. The round's price
+    carries both (``round_trip_s``); the cost fit and t_draft learn the engines' work
+    alone, so the network is not counted twice; an AR step pays the verifier's link."""
+    from presto_sd.loop.taps_feedback import TapsFeedback
+    from presto_sd.method.tree import TokenTree
+
+    verifier = _CalibratedVerifier()
+    verifier.link_s = 0.005
+    fb = TapsFeedback(verifier, _LinkedDrafter(0.003))
+    assert fb.tree_params(TreeParams(method="taps")).round_trip_s == pytest.approx(0.008)
+    chain = TokenTree.from_lists([1, 2, 3], [-1, 0, 1])
+    fb.observe(chain, (), base=100, accepted=(2,), draft_s=0.007, verify_s=0.065, commit_s=0.001)
+    assert fb.verify.obs[-1] == (3, 100, pytest.approx(0.060))
+    assert fb.draft.value == pytest.approx(0.005)  # 4 ms of drafting + 1 of commit, the link apart
+    # an AR step here costs c(1) + 5 ms + 1 ms: the saving counts the link on both sides
+    ar_step = float(fb.verify.fit.seconds(1, 100)) + 0.005 + 0.001
+    assert fb.saving.value == pytest.approx(0.1 * (2 * ar_step - 0.073))
+    alone = TapsFeedback(_CalibratedVerifier())  # in process: no link, nothing changes
+    assert alone.tree_params(TreeParams(method="taps")).round_trip_s == 0.0
 
 
 def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate():
@@ -360,3 +421,16 @@ def test_taps_tree_carries_the_raw_estimates_the_calibration_is_fitted_on():
     assert len(raw) == len(built.tree.tokens) and raw[0] == 0.0
     assert raw[1:] == pytest.approx([math.log(0.1)] * (len(raw) - 1))  # before the map and scaling
 
+
+
+def test_the_link_estimate_ignores_spikes():
+    from presto_sd.method.cost_model import RollingMedian
+
+    link = RollingMedian(window=31)
+    assert link.value == 0.0  # before any call: no link to price
+    for i in range(40):
+        link.observe(0.5 if i % 10 == 9 else 0.002)  # a retransmit or a GC pause, one call in ten
+    assert link.value == pytest.approx(0.002) and link.count == 40
+    link.observe(float("nan"))
+    link.observe(-0.001)  # the server's clock ran past the client's: no negative link
+    assert link.count == 41 and link.value == pytest.approx(0.002)

@@ -103,6 +103,9 @@ class RemoteVerifier(Verifier):
     def close(self, session_id: str) -> None:
         self.rpc.call(self.stub.Close, common_pb2.CloseRequest(session_id=session_id), self.timeout_s)
 
+    def round_trip_s(self) -> float:
+        return self.rpc.round_trip_s
+
     def shutdown(self) -> None:
         """Close the channel (the sessions stay until closed or expired)."""
         self.rpc.close()

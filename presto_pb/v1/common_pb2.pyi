@@ -55,7 +55,7 @@ class CostFit(_message.Message):
     def __init__(self, intercept_s: _Optional[float] = ..., per_node_s: _Optional[float] = ..., per_context_s: _Optional[float] = ..., per_node_context_s: _Optional[float] = ..., n_obs: _Optional[int] = ..., tree_s: _Optional[float] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty", "calibration", "shared_tokens")
+    __slots__ = ("method", "budget", "depth", "branching", "beam", "lambdas", "rho", "top_k", "cost", "draft_s", "node_penalty_s", "depth_penalty", "calibration", "shared_tokens", "round_trip_s")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class TreeParams(_message.Message):
     DEPTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
     method: str
     budget: int
     depth: int
@@ -84,7 +85,8 @@ class TreeParams(_message.Message):
     depth_penalty: float
     calibration: AcceptanceCalibration
     shared_tokens: float
-    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ..., calibration: _Optional[_Union[AcceptanceCalibration, _Mapping]] = ..., shared_tokens: _Optional[float] = ...) -> None: ...
+    round_trip_s: float
+    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ..., branching: _Optional[int] = ..., beam: _Optional[int] = ..., lambdas: _Optional[_Iterable[float]] = ..., rho: _Optional[str] = ..., top_k: _Optional[int] = ..., cost: _Optional[_Union[CostFit, _Mapping]] = ..., draft_s: _Optional[float] = ..., node_penalty_s: _Optional[float] = ..., depth_penalty: _Optional[float] = ..., calibration: _Optional[_Union[AcceptanceCalibration, _Mapping]] = ..., shared_tokens: _Optional[float] = ..., round_trip_s: _Optional[float] = ...) -> None: ...
 
 class AcceptanceCalibration(_message.Message):
     __slots__ = ("alpha", "beta", "per_depth")

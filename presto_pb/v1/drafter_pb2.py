@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from presto_pb.v1 import common_pb2 as presto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17presto/v1/drafter.proto\x12\tpresto.v1\x1a\x16presto/v1/common.proto\"d\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\x12\x0f\n\x07restart\x18\x03 \x01(\x08\"&\n\x16\x44rafterPrefillResponse\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x03\"\x85\x01\n\x0c\x44raftRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12\x0e\n\x06\x61nchor\x18\x02 \x01(\x05\x12%\n\x06params\x18\x03 \x01(\x0b\x32\x15.presto.v1.TreeParams\x12\x16\n\x0ewant_marginals\x18\x04 \x01(\x08\"\x9e\x01\n\tMarginals\x12$\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x11.presto.v1.Tensor\x12$\n\tlog_probs\x18\x02 \x01(\x0b\x32\x11.presto.v1.Tensor\x12\"\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x11.presto.v1.Tensor\x12!\n\x06hidden\x18\x04 \x01(\x0b\x32\x11.presto.v1.Tensor\"\xb2\x01\n\rDraftResponse\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.presto.v1.TokenTree\x12\x13\n\x0bpath_scores\x18\x02 \x03(\x01\x12\'\n\tmarginals\x18\x03 \x01(\x0b\x32\x14.presto.v1.Marginals\x12\x11\n\tforward_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x62uild_s\x18\x05 \x01(\x01\x12\x1b\n\x13node_log_acceptance\x18\x06 \x03(\x01\";\n\x11\x44raftBatchRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.presto.v1.DraftRequest\"n\n\x0e\x44raftBatchItem\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x18.presto.v1.DraftResponseH\x00\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.presto.v1.ItemErrorH\x00\x42\t\n\x07outcome\">\n\x12\x44raftBatchResponse\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.presto.v1.DraftBatchItem\"_\n\rCommitRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\"\x1e\n\x0e\x43ommitResponse\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x03\"\x90\x03\n\x0b\x44rafterInfo\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x0f\n\x07methods\x18\x05 \x03(\t\x12\x15\n\rrho_providers\x18\x06 \x03(\t\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x13\n\x0b\x64\x65\x66\x61ult_rho\x18\x08 \x01(\t\x12\x17\n\x0f\x64\x65\x66\x61ult_lambdas\x18\t \x03(\x01\x12\x14\n\x0cmax_sessions\x18\n \x01(\x05\x12@\n\x0elambdas_by_rho\x18\x0b \x03(\x0b\x32(.presto.v1.DrafterInfo.LambdasByRhoEntry\x12#\n\x06memory\x18\x0c \x01(\x0b\x32\x13.presto.v1.KVMemory\x1aG\n\x11LambdasByRhoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.presto.v1.Lambdas:\x02\x38\x01\"\x19\n\x07Lambdas\x12\x0e\n\x06values\x18\x01 \x03(\x01\x32\x9a\x03\n\x0e\x44rafterService\x12N\n\x07Prefill\x12 .presto.v1.DrafterPrefillRequest\x1a!.presto.v1.DrafterPrefillResponse\x12:\n\x05\x44raft\x12\x17.presto.v1.DraftRequest\x1a\x18.presto.v1.DraftResponse\x12I\n\nDraftBatch\x12\x1c.presto.v1.DraftBatchRequest\x1a\x1d.presto.v1.DraftBatchResponse\x12=\n\x06\x43ommit\x12\x18.presto.v1.CommitRequest\x1a\x19.presto.v1.CommitResponse\x12:\n\x05\x43lose\x12\x17.presto.v1.CloseRequest\x1a\x18.presto.v1.CloseResponse\x12\x36\n\x04Info\x12\x16.presto.v1.InfoRequest\x1a\x16.presto.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17presto/v1/drafter.proto\x12\tpresto.v1\x1a\x16presto/v1/common.proto\"d\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\x12\x0f\n\x07restart\x18\x03 \x01(\x08\"&\n\x16\x44rafterPrefillResponse\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x03\"\xae\x01\n\x0c\x44raftRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12\x0e\n\x06\x61nchor\x18\x02 \x01(\x05\x12%\n\x06params\x18\x03 \x01(\x0b\x32\x15.presto.v1.TreeParams\x12\x16\n\x0ewant_marginals\x18\x04 \x01(\x08\x12\'\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\"\x9e\x01\n\tMarginals\x12$\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x11.presto.v1.Tensor\x12$\n\tlog_probs\x18\x02 \x01(\x0b\x32\x11.presto.v1.Tensor\x12\"\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x11.presto.v1.Tensor\x12!\n\x06hidden\x18\x04 \x01(\x0b\x32\x11.presto.v1.Tensor\"\xb2\x01\n\rDraftResponse\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.presto.v1.TokenTree\x12\x13\n\x0bpath_scores\x18\x02 \x03(\x01\x12\'\n\tmarginals\x18\x03 \x01(\x0b\x32\x14.presto.v1.Marginals\x12\x11\n\tforward_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x62uild_s\x18\x05 \x01(\x01\x12\x1b\n\x13node_log_acceptance\x18\x06 \x03(\x01\";\n\x11\x44raftBatchRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.presto.v1.DraftRequest\"n\n\x0e\x44raftBatchItem\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x18.presto.v1.DraftResponseH\x00\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.presto.v1.ItemErrorH\x00\x42\t\n\x07outcome\">\n\x12\x44raftBatchResponse\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.presto.v1.DraftBatchItem\"_\n\rCommitRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\"\x1e\n\x0e\x43ommitResponse\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x03\"\x90\x03\n\x0b\x44rafterInfo\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x0f\n\x07methods\x18\x05 \x03(\t\x12\x15\n\rrho_providers\x18\x06 \x03(\t\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x13\n\x0b\x64\x65\x66\x61ult_rho\x18\x08 \x01(\t\x12\x17\n\x0f\x64\x65\x66\x61ult_lambdas\x18\t \x03(\x01\x12\x14\n\x0cmax_sessions\x18\n \x01(\x05\x12@\n\x0elambdas_by_rho\x18\x0b \x03(\x0b\x32(.presto.v1.DrafterInfo.LambdasByRhoEntry\x12#\n\x06memory\x18\x0c \x01(\x0b\x32\x13.presto.v1.KVMemory\x1aG\n\x11LambdasByRhoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.presto.v1.Lambdas:\x02\x38\x01\"\x19\n\x07Lambdas\x12\x0e\n\x06values\x18\x01 \x03(\x01\x32\x9a\x03\n\x0e\x44rafterService\x12N\n\x07Prefill\x12 .presto.v1.DrafterPrefillRequest\x1a!.presto.v1.DrafterPrefillResponse\x12:\n\x05\x44raft\x12\x17.presto.v1.DraftRequest\x1a\x18.presto.v1.DraftResponse\x12I\n\nDraftBatch\x12\x1c.presto.v1.DraftBatchRequest\x1a\x1d.presto.v1.DraftBatchResponse\x12=\n\x06\x43ommit\x12\x18.presto.v1.CommitRequest\x1a\x19.presto.v1.CommitResponse\x12:\n\x05\x43lose\x12\x17.presto.v1.CloseRequest\x1a\x18.presto.v1.CloseResponse\x12\x36\n\x04Info\x12\x16.presto.v1.InfoRequest\x1a\x16.presto.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,27 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERPREFILLRESPONSE']._serialized_start=164
   _globals['_DRAFTERPREFILLRESPONSE']._serialized_end=202
   _globals['_DRAFTREQUEST']._serialized_start=205
-  _globals['_DRAFTREQUEST']._serialized_end=338
-  _globals['_MARGINALS']._serialized_start=341
-  _globals['_MARGINALS']._serialized_end=499
-  _globals['_DRAFTRESPONSE']._serialized_start=502
-  _globals['_DRAFTRESPONSE']._serialized_end=680
-  _globals['_DRAFTBATCHREQUEST']._serialized_start=682
-  _globals['_DRAFTBATCHREQUEST']._serialized_end=741
-  _globals['_DRAFTBATCHITEM']._serialized_start=743
-  _globals['_DRAFTBATCHITEM']._serialized_end=853
-  _globals['_DRAFTBATCHRESPONSE']._serialized_start=855
-  _globals['_DRAFTBATCHRESPONSE']._serialized_end=917
-  _globals['_COMMITREQUEST']._serialized_start=919
-  _globals['_COMMITREQUEST']._serialized_end=1014
-  _globals['_COMMITRESPONSE']._serialized_start=1016
-  _globals['_COMMITRESPONSE']._serialized_end=1046
-  _globals['_DRAFTERINFO']._serialized_start=1049
-  _globals['_DRAFTERINFO']._serialized_end=1449
-  _globals['_DRAFTERINFO_LAMBDASBYRHOENTRY']._serialized_start=1378
-  _globals['_DRAFTERINFO_LAMBDASBYRHOENTRY']._serialized_end=1449
-  _globals['_LAMBDAS']._serialized_start=1451
-  _globals['_LAMBDAS']._serialized_end=1476
-  _globals['_DRAFTERSERVICE']._serialized_start=1479
-  _globals['_DRAFTERSERVICE']._serialized_end=1889
+  _globals['_DRAFTREQUEST']._serialized_end=379
+  _globals['_MARGINALS']._serialized_start=382
+  _globals['_MARGINALS']._serialized_end=540
+  _globals['_DRAFTRESPONSE']._serialized_start=543
+  _globals['_DRAFTRESPONSE']._serialized_end=721
+  _globals['_DRAFTBATCHREQUEST']._serialized_start=723
+  _globals['_DRAFTBATCHREQUEST']._serialized_end=782
+  _globals['_DRAFTBATCHITEM']._serialized_start=784
+  _globals['_DRAFTBATCHITEM']._serialized_end=894
+  _globals['_DRAFTBATCHRESPONSE']._serialized_start=896
+  _globals['_DRAFTBATCHRESPONSE']._serialized_end=958
+  _globals['_COMMITREQUEST']._serialized_start=960
+  _globals['_COMMITREQUEST']._serialized_end=1055
+  _globals['_COMMITRESPONSE']._serialized_start=1057
+  _globals['_COMMITRESPONSE']._serialized_end=1087
+  _globals['_DRAFTERINFO']._serialized_start=1090
+  _globals['_DRAFTERINFO']._serialized_end=1490
+  _globals['_DRAFTERINFO_LAMBDASBYRHOENTRY']._serialized_start=1419
+  _globals['_DRAFTERINFO_LAMBDASBYRHOENTRY']._serialized_end=1490
+  _globals['_LAMBDAS']._serialized_start=1492
+  _globals['_LAMBDAS']._serialized_end=1517
+  _globals['_DRAFTERSERVICE']._serialized_start=1520
+  _globals['_DRAFTERSERVICE']._serialized_end=1930
 # @@protoc_insertion_point(module_scope)

@@ -24,16 +24,18 @@ class DrafterPrefillResponse(_message.Message):
     def __init__(self, base: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session", "anchor", "params", "want_marginals")
+    __slots__ = ("session", "anchor", "params", "want_marginals", "commit")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     WANT_MARGINALS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     session: _common_pb2.SessionRef
     anchor: int
     params: _common_pb2.TreeParams
     want_marginals: bool
-    def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., anchor: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., want_marginals: _Optional[bool] = ...) -> None: ...
+    commit: _common_pb2.FeatureDelta
+    def __init__(self, session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., anchor: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., want_marginals: _Optional[bool] = ..., commit: _Optional[_Union[_common_pb2.FeatureDelta, _Mapping]] = ...) -> None: ...
 
 class Marginals(_message.Message):
     __slots__ = ("token_ids", "log_probs", "entropy", "hidden")

@@ -79,7 +79,7 @@ class DrafterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Draft(self, request, context):
-        """Draft a tree after `anchor` at position session.base.
+        """Draft a tree after `anchor` at position session.base (a `commit` given: after it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

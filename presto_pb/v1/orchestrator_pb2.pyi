@@ -128,7 +128,7 @@ class GenerateBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GenerateResult, _Mapping]]] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("model", "drafter", "drafter_replicas", "verifier_replicas", "default_method", "default_tree", "default_max_new_tokens", "max_requests", "tokenizer")
+    __slots__ = ("model", "drafter", "drafter_replicas", "verifier_replicas", "default_method", "default_tree", "default_max_new_tokens", "max_requests", "tokenizer", "links")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class OrchestratorInfo(_message.Message):
     DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     drafter_replicas: _containers.RepeatedScalarFieldContainer[str]
@@ -147,4 +148,17 @@ class OrchestratorInfo(_message.Message):
     default_max_new_tokens: int
     max_requests: int
     tokenizer: bool
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., drafter_replicas: _Optional[_Iterable[str]] = ..., verifier_replicas: _Optional[_Iterable[str]] = ..., default_method: _Optional[str] = ..., default_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., default_max_new_tokens: _Optional[int] = ..., max_requests: _Optional[int] = ..., tokenizer: _Optional[bool] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[ReplicaLink]
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., drafter_replicas: _Optional[_Iterable[str]] = ..., verifier_replicas: _Optional[_Iterable[str]] = ..., default_method: _Optional[str] = ..., default_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., default_max_new_tokens: _Optional[int] = ..., max_requests: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., links: _Optional[_Iterable[_Union[ReplicaLink, _Mapping]]] = ...) -> None: ...
+
+class ReplicaLink(_message.Message):
+    __slots__ = ("service", "replica", "round_trip_s", "calls")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    replica: str
+    round_trip_s: float
+    calls: int
+    def __init__(self, service: _Optional[str] = ..., replica: _Optional[str] = ..., round_trip_s: _Optional[float] = ..., calls: _Optional[int] = ...) -> None: ...

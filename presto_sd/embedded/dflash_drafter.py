@@ -208,7 +208,14 @@ class DFlashDrafter(Drafter):
         return out
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        result = self.draft_batch([DraftCall(session_id, anchor, base, params)])[0]
+        return self._one(DraftCall(session_id, anchor, base, params))
+
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+                         params: TreeParams) -> DraftResult:
+        return self._one(DraftCall(session_id, anchor, base, params, commit=delta))
+
+    def _one(self, call: DraftCall) -> DraftResult:
+        result = self.draft_batch([call])[0]
         if isinstance(result, EngineError):
             raise result
         return result
@@ -217,8 +224,9 @@ class DFlashDrafter(Drafter):
         """Every valid call's block in ONE drafter forward, then each call's tree.
 
         Each call is checked as ``draft`` checks it (a session named twice: INVALID_ARGUMENT
-        for the later call); a refused call gets its error in its slot. Drafting changes no
-        session, so nothing needs undoing.
+        for the later call); a refused call gets its error in its slot. A call's ``commit``
+        applies only once the whole call passed its checks (drafting itself changes no
+        session), so a refused call changes nothing.
         """
         out: list[DraftResult | EngineError | None] = [None] * len(calls)
         todo: list[tuple[int, _DraftSession, RhoProvider | None, bool, int]] = []
@@ -230,7 +238,10 @@ class DFlashDrafter(Drafter):
                         f"draft_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
                         "this batch")
                 seen.add(c.session_id)
-                todo.append((j, *self._check_draft(c)))
+                checked = self._check_draft(c)
+                if c.commit is not None:
+                    self.commit(c.session_id, c.commit)  # checks its delta before it changes anything
+                todo.append((j, *checked))
             except EngineError as e:
                 out[j] = e
         if not todo:
@@ -249,7 +260,13 @@ class DFlashDrafter(Drafter):
     def _check_draft(self, c: DraftCall) -> tuple[_DraftSession, RhoProvider | None, bool, int]:
         """The session, rho, whether the method sizes itself, the depth; or the named error."""
         s = self.sessions.touch(c.session_id)
-        check_base(c.session_id, s.base, c.base)
+        if c.commit is None:
+            check_base(c.session_id, s.base, c.base)
+        else:
+            check_base(c.session_id, s.base, c.commit.start)
+            if c.base != c.commit.end:
+                raise InvalidArgumentError(
+                    f"draft.base = {c.base}: must be the commit's end, {c.commit.end}")
         if not 0 <= c.anchor < self.vocab_size:
             raise InvalidArgumentError(f"draft.anchor = {c.anchor}: out of range [0, {self.vocab_size})")
         params = c.params

@@ -50,6 +50,7 @@ class DraftCall:
     anchor: int
     base: int
     params: TreeParams
+    commit: FeatureDelta | None = None  # applied first (``commit_and_draft``); base = commit.end
 
 
 class Drafter(ABC):
@@ -78,10 +79,27 @@ class Drafter(ABC):
         out: list[DraftResult | EngineError] = []
         for c in calls:
             try:
-                out.append(self.draft(c.session_id, c.anchor, c.base, c.params))
+                if c.commit is None:
+                    out.append(self.draft(c.session_id, c.anchor, c.base, c.params))
+                else:
+                    out.append(self.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.params))
             except EngineError as e:
                 out.append(e)
         return out
+
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+                         params: TreeParams) -> DraftResult:
+        """``commit`` then ``draft`` (``base`` = ``delta.end``): the loop's usual round, ONE
+        call to a remote drafter. The engines check the whole call before the commit
+        applies, so a refused one changes nothing (this default, for others, commits
+        first); a call that failed in flight may have applied it, and the next then finds
+        the base moved on (stale)."""
+        self.commit(session_id, delta)
+        return self.draft(session_id, anchor, base, params)
+
+    def round_trip_s(self) -> float:
+        """What a call costs beyond the engine's own work (``Verifier.round_trip_s``); 0 in process."""
+        return 0.0
 
     @abstractmethod
     def commit(self, session_id: str, delta: FeatureDelta) -> int:

@@ -156,6 +156,12 @@ class Verifier(ABC):
         orchestrator) knows its load; an engine alone does not."""
         return None
 
+    def round_trip_s(self) -> float:
+        """What a call costs beyond the engine's own work: the network round trip and the
+        messages' transfer to a remote engine, measured by its client (robust to spikes);
+        0 in process. TAPS prices every round with it (``taps_feedback``)."""
+        return 0.0
+
     def calibrate_cost(self) -> CostFit | None:
         """Measure forwards over a range of tree sizes and contexts; the fitted cost model.
 

@@ -1,7 +1,7 @@
 """What the generation loop does when an engine fails (docs/design.md §3, Faults).
 
 - The drafter only proposes, so it gets each round's feature delta only when it is asked
-  to draft next (the deltas of the rounds between travel as one commit), and it may fail:
+  to draft next, in the same call (the deltas of the rounds between travel as one), and it may fail:
   while it is down, timing out, full, or restarted without our session,
   ``DrafterLink.draft`` returns None and the round is a plain AR ``step`` on the verifier
   (still lossless). The link keeps every feature delta of the
@@ -64,49 +64,51 @@ class DrafterLink:
 
     def prefill(self, delta: FeatureDelta) -> None:
         self.log = [delta]
-        self._catch_up()
+        self._reopen()
 
     def commit(self, delta: FeatureDelta) -> None:
-        """Log the round's delta; the drafter gets it with the next draft (``_catch_up``): a
-        round that does not draft (an AR step, TAPS's gate shut) costs the drafter nothing,
-        and the deltas of several such rounds travel as one commit."""
+        """Log the round's delta; the drafter gets it with the next draft, in the same call
+        (``Drafter.commit_and_draft``: one round trip to a remote drafter): a round that does
+        not draft (an AR step, TAPS's gate shut) costs the drafter nothing, and the deltas of
+        several such rounds travel as one."""
         self.log.append(delta)
 
     def draft(self, anchor: int, base: int, params: TreeParams) -> DraftResult | None:
         """A tree, or None when the drafter cannot give one this round."""
-        if not self._catch_up():
-            return None
+        if self.lost or self.synced < len(self.log):
+            if self.clock() < self.retry_at:
+                return None
+            if self.lost and not self._reopen():
+                return None
+        pending = _concat(self.log[self.synced:]) if self.synced < len(self.log) else None
         try:
-            return self.drafter.draft(self.sid, anchor, base, params)
+            if pending is None:
+                result = self.drafter.draft(self.sid, anchor, base, params)
+            else:
+                result = self.drafter.commit_and_draft(self.sid, pending, anchor, base, params)
         except (SessionNotFoundError, StaleBaseError):  # restarted, or applied a call we saw fail
             self.lost, self.synced = True, 0
+            return None
         except _DRAFTER_AWAY:
             self._back_off()
-        return None
+            return None
+        self.synced, self.wait = len(self.log), self.policy.drafter_retry_s
+        return result
 
     def close(self) -> None:
         if self.opened:
             _close_quietly(self.drafter, self.sid)
 
-    def _catch_up(self) -> bool:
-        if self.synced == len(self.log) and not self.lost:
-            return True
-        if self.clock() < self.retry_at:
-            return False
+    def _reopen(self) -> bool:
+        """A drafter session from the whole log (the prompt's features and every round's);
+        False while the drafter is away."""
+        restart, self.tried = self.tried, True  # a prefill sent before may have been applied
         try:
-            if not self.lost:
-                try:
-                    self.drafter.commit(self.sid, _concat(self.log[self.synced:]))
-                except (SessionNotFoundError, StaleBaseError):
-                    self.lost = True
-            if self.lost:
-                restart, self.tried = self.tried, True
-                self.drafter.prefill(self.sid, _concat(self.log), restart=restart)
-                self.lost, self.opened = False, True
-            self.synced = len(self.log)
+            self.drafter.prefill(self.sid, _concat(self.log), restart=restart)
         except _DRAFTER_AWAY:
             self._back_off()
             return False
+        self.lost, self.opened, self.synced = False, True, len(self.log)
         self.wait = self.policy.drafter_retry_s
         return True
 

@@ -9,7 +9,15 @@
   ``presto_sd.method.batch_cost``): trees shrink toward AR steps as the load grows and
   grow back as it falls. The lone fit learns only from forwards the request ran alone;
   the gate compares the forward's rate with and without the tree.
-- **Draft time.** A moving average of the round's fixed cost ``t_draft``.
+- **Draft time.** A moving average of the round's fixed cost ``t_draft``: the drafter's
+  work and the commit, without the network.
+- **The link.** In a split deployment every drafted round pays a round trip to the drafter
+  and one to the verifier beyond their work (``Verifier.round_trip_s`` /
+  ``Drafter.round_trip_s``: what their clients measure on every call, a median of the
+  last ones, so one spike does not move it). TAPS prices each round with their sum
+  (``TreeParams.round_trip_s``): a slow link makes rounds dear, so bigger trees and fewer
+  rounds pay. The verify and draft times the loop learns from are its wall times less
+  those round trips, so the network is counted once. An AR step pays the verifier's.
 - **Acceptance.** The map of ``a(u)`` that makes the trees' promised acceptance match
   what this request's target really accepts: Platt scaling with a depth term, fitted
   on every node whose parent was accepted (``presto_sd.method.acceptance_calibration``).
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import Verifier
 from presto_sd.method.acceptance_calibration import OnlineAcceptanceCalibrator, node_trials
 from presto_sd.method.builders import TreeParams
@@ -42,7 +51,8 @@ from presto_sd.method.tree import TokenTree
 
 
 class TapsFeedback:
-    def __init__(self, verifier: Verifier, max_backoff: int = 8, max_backoff_loaded: int = 32) -> None:
+    def __init__(self, verifier: Verifier, drafter: Drafter | None = None, max_backoff: int = 8,
+                 max_backoff_loaded: int = 32) -> None:
         prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
@@ -57,6 +67,12 @@ class TapsFeedback:
         self.max_backoff_loaded = max(max_backoff, max_backoff_loaded)
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
         self._verifier, self._rows = verifier, 1  # this request's rows in its last forward
+        self._drafter = drafter
+
+    def round_trips(self) -> tuple[float, float]:
+        """Seconds a round pays the links beyond the engines' work: (drafter, verifier)."""
+        drafter_s = self._drafter.round_trip_s() if self._drafter is not None else 0.0
+        return drafter_s, self._verifier.round_trip_s()
 
     def should_draft(self) -> bool:
         """False for the rounds the gate skips (each call is one round)."""
@@ -70,7 +86,7 @@ class TapsFeedback:
         shared = self._verifier.shared_forward(self._rows)
         cost, others = (shared.cost, shared.others_tokens) if shared else (self.verify.fit, 0.0)
         return replace(params, cost=cost, shared_tokens=others, draft_s=self.draft.value or 0.0,
-                       calibration=self.acceptance.calibration)
+                       round_trip_s=sum(self.round_trips()), calibration=self.acceptance.calibration)
 
     def observe(
         self, tree: TokenTree | None, node_log_acceptance: tuple[float, ...], base: int,
@@ -81,13 +97,15 @@ class TapsFeedback:
         the round cost."""
         rows = tree.size + 1 if tree is not None else 1
         shared = self._verifier.shared_forward(self._rows)  # what this round's tree was priced on
+        drafter_link_s, verifier_link_s = self.round_trips()
         if shared is None:  # a shared forward's wall time would teach the lone fit the others' rows
-            self.verify.observe(rows, base, verify_s)
+            self.verify.observe(rows, base, max(verify_s - verifier_link_s, 1e-6))
         self._rows = rows
         self.commit.observe(commit_s)
         if tree is None:  # skipped or fallen back: nothing learned about drafting
             return
-        self.draft.observe(draft_s + commit_s)  # TAPS's t_draft: the round's fixed cost
+        # TAPS's t_draft: the round's fixed cost, the link apart (``round_trip_s`` prices it)
+        self.draft.observe(max(draft_s - drafter_link_s, 0.0) + commit_s)
         if len(node_log_acceptance) == len(tree.tokens):  # a drafter that predates it sends none
             try:
                 self.acceptance.observe(node_trials(tree, node_log_acceptance, accepted))
@@ -95,10 +113,12 @@ class TapsFeedback:
                 pass
         others = 0.0
         if shared is not None:  # the shared forward's rate with the tree against without it
-            others, verify_s = shared.others_tokens, float(shared.cost.seconds(rows, base))
-            ar_step_s = (float(shared.cost.seconds(1, base)) + self.commit.value) / (others + 1)
+            # an AR step pays the verifier's link too (a drafted round pays both, in its wall time)
+            others, verify_s = shared.others_tokens, float(shared.cost.seconds(rows, base)) + verifier_link_s
+            ar_forward_s = float(shared.cost.seconds(1, base)) + verifier_link_s + self.commit.value
+            ar_step_s = ar_forward_s / (others + 1)
         else:
-            ar_step_s = float(self.verify.fit.seconds(1, base)) + self.commit.value
+            ar_step_s = float(self.verify.fit.seconds(1, base)) + verifier_link_s + self.commit.value
         tokens = others + len(accepted) + 1
         self.saving.observe(tokens * ar_step_s - (draft_s + verify_s + commit_s))
         if self.saving.value < 0:

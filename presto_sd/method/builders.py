@@ -60,6 +60,8 @@ class TreeParams:
     node_penalty_s: float = 0.0
     # under load (batch_cost.py): what the shared forward's other rows commit per step
     shared_tokens: float = 0.0
+    # a split deployment: the round's measured network time to both engines (taps.py's t_link)
+    round_trip_s: float = 0.0
     depth_penalty: float = 0.0
     calibration: AcceptanceCalibration = AcceptanceCalibration()
 
@@ -74,7 +76,7 @@ class TreeParams:
                 raise ValueError(f"tree.{name} = {value}: must be in [1, {MAX_CANDIDATES}]")
         if not self.lambdas or any(lam < 0 for lam in self.lambdas):
             raise ValueError(f"tree.lambdas = {self.lambdas}: must be non-empty and >= 0")
-        for name in ("draft_s", "node_penalty_s", "depth_penalty", "shared_tokens"):
+        for name in ("draft_s", "node_penalty_s", "depth_penalty", "shared_tokens", "round_trip_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
@@ -250,7 +252,8 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     per_node = params.cost.marginal_node_s(base) + params.node_penalty_s
 
     def seconds(b: int) -> float:  # choose_budget's denominator: the same rates, exactly
-        return float(round_seconds(b, params.cost, base, params.draft_s, params.node_penalty_s))
+        return float(round_seconds(b, params.cost, base, params.draft_s, params.node_penalty_s,
+                                   params.round_trip_s))
 
     others = params.shared_tokens  # the shared forward's other rows: in every rate's numerator
     state = {"nodes": 0, "expected": 0.0, "best": (others + 1.0) / max(seconds(0), 1e-9)}
@@ -281,7 +284,7 @@ def build_taps_tree(
     # pop order is node order; the depth penalty steers the ranking, not the reach
     reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
     choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s,
-                           params.shared_tokens)
+                           params.shared_tokens, params.round_trip_s)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
     raw = [0.0] + [scorer.raw_log_a[tuple(tree.path_tokens(u)[1:])] for u in range(1, keep)]

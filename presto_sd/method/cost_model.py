@@ -169,3 +169,21 @@ class MovingAverage:
 
     def observe(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+class RollingMedian:
+    """The median of the last ``window`` observations (0 before any): a link's round trip,
+    which one GC pause or retransmit must not move."""
+
+    def __init__(self, window: int = 31) -> None:
+        self._obs: deque[float] = deque(maxlen=window)
+        self.count = 0  # observations ever made
+
+    def observe(self, x: float) -> None:
+        if math.isfinite(x):
+            self._obs.append(max(0.0, x))
+            self.count += 1
+
+    @property
+    def value(self) -> float:
+        return float(np.median(self._obs)) if self._obs else 0.0

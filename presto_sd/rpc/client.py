@@ -6,6 +6,7 @@ about a second once it is back, so the loop can fall back to AR steps and return
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import grpc
 
 from presto_sd.engine.messages import UnavailableError
+from presto_sd.method.cost_model import RollingMedian
 from presto_sd.rpc.errors import error_from_rpc
 from presto_sd.rpc.principals import client_token
-from presto_sd.rpc.server import message_options
+from presto_sd.rpc.server import SERVER_SECONDS_KEY, message_options
 
 _RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -64,6 +66,7 @@ class WireStats:
     calls: int = 0
     bytes_sent: int = 0  # serialized request messages (gRPC/HTTP2 framing not counted)
     bytes_received: int = 0
+    link_s: float = 0.0  # the calls' seconds beyond the server's own (it reports them in its trailers)
 
 
 class RpcClient:
@@ -75,12 +78,25 @@ class RpcClient:
         self.unavailable = unavailable
         self.metadata = (("authorization", f"Bearer {config.auth_token}"),) if config.auth_token else None
         self.stats = WireStats()
+        self.link = RollingMedian()  # seconds a call spends beyond the server's own work
+
+    @property
+    def round_trip_s(self) -> float:
+        """The link's cost of one call: round trip, transfer and (de)serialisation, the
+        median of the last calls (0 before any, or against a server that reports no time)."""
+        return self.link.value
 
     def call(self, method: grpc.UnaryUnaryMultiCallable, request: Any, timeout_s: float) -> Any:
+        t0 = time.perf_counter()
         try:
-            response = method(request, timeout=timeout_s, metadata=self.metadata)
+            response, call = method.with_call(request, timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.unavailable) from None
+        wall_s = time.perf_counter() - t0
+        server_s = _server_seconds(call.trailing_metadata())
+        if server_s is not None:
+            self.link.observe(wall_s - server_s)
+            self.stats.link_s += max(0.0, wall_s - server_s)
         self.stats.calls += 1
         self.stats.bytes_sent += request.ByteSize()
         self.stats.bytes_received += response.ByteSize()
@@ -88,3 +104,13 @@ class RpcClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _server_seconds(trailers: Any) -> float | None:
+    for key, value in trailers or ():
+        if key == SERVER_SECONDS_KEY:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None

@@ -51,6 +51,9 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("presto_principal", default=ANONYMOUS)
+# trailing metadata of every unary call: the seconds the server spent on it, from its bytes
+# in to its answer's bytes out; what a client measures beyond this is the link's (rpc/client.py)
+SERVER_SECONDS_KEY = "presto-server-s"
 
 
 def current_principal() -> str:
@@ -219,11 +222,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def call(raw: RawRequest, context):
+                t0 = time.perf_counter()
                 async with guard(context, raw) as record:
                     record.request = await off_loop(len(raw.data), raw.message)
                     response = await inner(record.request, context)
                     record.bytes_out = response.ByteSize()
-                    return await off_loop(record.bytes_out, serialize, response)  # bytes
+                    data = await off_loop(record.bytes_out, serialize, response)  # bytes
+                    context.set_trailing_metadata(((SERVER_SECONDS_KEY, f"{time.perf_counter() - t0:.6f}"),))
+                    return data
 
             wrap = grpc.unary_unary_rpc_method_handler
         elif handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):

@@ -151,6 +151,7 @@ def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
         method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
         lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, cost=cost_to_pb(p.cost), draft_s=p.draft_s,
         node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty, shared_tokens=p.shared_tokens,
+        round_trip_s=p.round_trip_s,
         calibration=None if p.calibration.is_identity else pb.AcceptanceCalibration(
             alpha=p.calibration.alpha, beta=p.calibration.beta, per_depth=p.calibration.per_depth),
     )
