@@ -34,9 +34,14 @@ PROMPTS = [
 ]
 
 
-def spawn(kind: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int, queue.Queue]:
-    cmd = [sys.executable, "-m", "presto_sd.app.cli", "serve", kind, "--port", "0", "--drafter", args.drafter,
-           "--threads", str(args.threads), "--drain-s", "0"]
+def spawn(kind: str, args: argparse.Namespace, prefix: tuple[str, ...] = (), host: str = "127.0.0.1",
+          port: int = 0) -> tuple[subprocess.Popen, int, queue.Queue]:
+    """``presto-sd serve KIND`` (under ``prefix``, e.g. ``ip netns exec NS``); once it serves:
+    the process, its port and its log lines."""
+    cmd = [*prefix, sys.executable, "-m", "presto_sd.app.cli", "serve", kind, "--host", host,
+           "--port", str(port), "--drafter", args.drafter, "--threads", str(args.threads), "--drain-s", "0"]
+    if getattr(args, "target", None):
+        cmd += ["--target", args.target]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()

@@ -2,16 +2,24 @@
 
     .venv/bin/python scripts/bench_link.py [--rtt-ms 0,0.5,2,5,10] [--max-new-tokens 48]
         [--methods ar,presto-best-first@4,presto-best-first@16,taps] [--threads 1] [--out runs/link]
+        [--netns] [--target DIR --drafter DIR]
 
 Starts ``presto-sd serve verifier`` and ``presto-sd serve drafter`` (the shipped drafter)
-and puts an emulated link (``presto_sd.app.bench.link.DelayLink``: every byte held RTT/2
-each way) in front of each; the loop in this process drives both through their gRPC
-clients. For each RTT and method (``method@budget`` for a fixed budget) the same chat
-prompts run one after another, greedy; per row: tokens/s, tau, the mean tree size (for
-``taps``: the budgets it chose) and whether every output equals ``ar``'s at RTT 0. Then
-one ``taps`` request whose drafter link and then verifier link are cut for a second each
-mid-stream: its output must equal AR's too (the loop falls back to AR steps, then
-recovers). Writes ``link.json`` and ``link.png`` under ``--out``.
+and drives both through their gRPC clients from a loop in this process. For each RTT and
+method (``method@budget`` for a fixed budget) the same chat prompts run one after another,
+greedy; per row: tokens/s, tau, the mean tree size (for ``taps``: the budgets it chose),
+the link round trip the clients measured, and whether every output equals ``ar``'s at
+the first RTT. Then one ``taps`` request whose drafter link and then verifier link are
+cut for a second each mid-stream (``--cut-at``): its output must equal AR's too (the
+loop falls back to AR steps, then recovers). Writes ``link.json`` and ``link.png`` under
+``--out``.
+
+The link: on loopback by default, with an emulated delay (``DelayLink``: every byte held
+RTT/2 each way). With ``--netns`` (root) each server runs in a network namespace of its
+own and the loop in a third, joined by veth pairs (``presto_sd.app.bench.netns``): the
+servers' addresses exist only there, and the delay is ``tc netem`` on the veths where the
+kernel has it, else the same user-space relay inside the loop's namespace. Everything it
+made is removed when it ends (``--timeout-s`` bounds the run).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -34,29 +43,40 @@ PROMPTS = [
     "Write a Python function that reverses a string.",
     "Explain in two sentences why the sky is blue.",
 ]
+SHIPPED = str(ROOT / "presto_sd/assets/drafters/smollm2-135m")
+NETNS_PORT = 50051  # each server's own namespace: no other listener there
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rtt-ms", default="0,0.5,2,5,10", help="round trips to emulate, comma-separated")
     p.add_argument("--methods", default="ar,presto-best-first@4,presto-best-first@16,taps",
                    help="comma-separated; METHOD@BUDGET for a fixed budget (taps: its cap, default 16)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    p.add_argument("--target", default=None, help="the target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=SHIPPED, help="the drafter (default: the shipped one)")
+    p.add_argument("--cut-at", default="5,15", help="rounds at which the drafter's, then the verifier's "
+                   "link is cut for a second")
+    p.add_argument("--netns", action="store_true", help="servers and loop in network namespaces (root)")
+    p.add_argument("--timeout-s", type=float, default=1800, help="--netns: the whole run's bound")
     p.add_argument("--out", default="runs/link")
-    return p.parse_args()
+    # how the --netns run calls itself inside the loop's namespace
+    p.add_argument("--inner", default=None, help=argparse.SUPPRESS)  # JSON: addresses, netem, tag
+    return p.parse_args(argv)
 
 
-class Links:
-    """Both links on one event loop thread; ``set_rtt`` applies to bytes arriving after it."""
+class RelayLinks:
+    """User-space delay: a relay per server on one event loop thread; ``set_rtt`` applies to
+    bytes arriving after it."""
 
-    def __init__(self, targets: dict[str, int]) -> None:
+    def __init__(self, targets: dict[str, tuple[str, int]]) -> None:
         from presto_sd.app.bench.link import DelayLink
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.links = {k: DelayLink(("127.0.0.1", port)) for k, port in targets.items()}
-        self.ports = {k: self._run(link.start()) for k, link in self.links.items()}
+        self.links = {k: DelayLink(target) for k, target in targets.items()}
+        self.addresses = {k: f"127.0.0.1:{self._run(link.start())}" for k, link in self.links.items()}
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
@@ -75,6 +95,28 @@ class Links:
         for link in self.links.values():
             self._run(link.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class NetemLinks:
+    """The kernel delays: netem on the veths of a ``Topology`` (its hub is this process's namespace)."""
+
+    def __init__(self, tag: str, addresses: dict[str, str]) -> None:
+        from presto_sd.app.bench.netns import Topology
+
+        self.net, self.addresses = Topology(tag=tag), addresses
+        self.net.netem = True
+
+    def set_rtt(self, rtt_s: float) -> None:
+        self.net.set_rtt(rtt_s)
+
+    def cut(self, kind: str) -> None:
+        self.net.cut(kind)
+
+    def restore(self, kind: str) -> None:
+        self.net.restore(kind)
+
+    def close(self) -> None:
+        self.net.set_rtt(0.0)
 
 
 def run(verifier, drafter, ids: list[int], params, on_round=None) -> dict:
@@ -115,11 +157,63 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
-    import torch
+    if args.netns and args.inner is None:
+        return in_namespaces(args)
+    if args.inner is not None:  # in the loop's namespace: the servers are across the veths
+        where = json.loads(args.inner)
+        targets = {k: _host_port(a) for k, a in where["addresses"].items()}
+        links = NetemLinks(where["tag"], where["addresses"]) if where["netem"] else RelayLinks(targets)
+        return bench(args, links, delay="netem" if where["netem"] else "relay (no netem in this kernel)")
+    serve = argparse.Namespace(drafter=args.drafter, threads=args.threads, target=args.target)
     from bench_grpc import spawn
+
+    servers = {kind: spawn(kind, serve) for kind in ("verifier", "drafter")}
+    try:
+        links = RelayLinks({kind: ("127.0.0.1", port) for kind, (_, port, _) in servers.items()})
+        bench(args, links, delay="relay on loopback")
+    finally:
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def in_namespaces(args: argparse.Namespace) -> None:
+    """The servers in their namespaces, then this script again inside the hub's."""
+    from bench_grpc import spawn
+
+    from presto_sd.app.bench.netns import HOSTS, Topology, unavailable
+
+    why = unavailable()
+    if why:
+        sys.exit(f"--netns: {why}")
+    with Topology() as net:
+        serve = argparse.Namespace(drafter=args.drafter, threads=args.threads, target=args.target)
+        servers = [spawn(kind, serve, prefix=tuple(net.run_in(kind, [])), host=net.address(kind),
+                         port=NETNS_PORT) for kind in HOSTS]
+        inner = {"addresses": {k: f"{net.address(k)}:{NETNS_PORT}" for k in HOSTS}, "netem": net.netem,
+                 "tag": net.tag}
+        argv = [a for a in sys.argv[1:] if a != "--netns"] + ["--inner", json.dumps(inner)]
+        print(json.dumps({"topology": net.tag, **inner}), flush=True)
+        try:
+            subprocess.run(net.run_in(None, [sys.executable, __file__, *argv]), check=True,
+                           timeout=args.timeout_s)
+        finally:
+            for proc, _, _ in servers:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def bench(args: argparse.Namespace, links, delay: str) -> None:
+    import torch
 
     from drafter_service.remote import RemoteDrafter
     from presto_sd.app.generate import encode_prompt
+    from presto_sd.app.stack import tree_settings
     from presto_sd.loop.generate import GenerationParams
     from presto_sd.method.builders import TreeParams
     from presto_sd.method.methods import get_method
@@ -129,21 +223,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shipped = str(ROOT / "presto_sd/assets/drafters/smollm2-135m")
-    serve = argparse.Namespace(drafter=shipped, threads=args.threads)
-    servers = {kind: spawn(kind, serve) for kind in ("verifier", "drafter")}
-    links = Links({kind: port for kind, (_, port, _) in servers.items()})
     try:
-        verifier = RemoteVerifier(f"127.0.0.1:{links.ports['verifier']}", timeout_s=30)
-        drafter = RemoteDrafter(f"127.0.0.1:{links.ports['drafter']}")
-        tok = load_tokenizer(None)
+        verifier = RemoteVerifier(links.addresses["verifier"], timeout_s=30)
+        drafter = RemoteDrafter(links.addresses["drafter"])
+        tok = load_tokenizer(args.target)
         prompts = [encode_prompt(tok, text, chat=True) for text in PROMPTS]
         eos = verifier.info().eos_token_ids
         dinfo = drafter.info()
 
         def params(spec: str) -> GenerationParams:
-            from presto_sd.app.stack import tree_settings
-
             method, _, budget = spec.partition("@")
             rho, lambdas = tree_settings(method, None, None, dinfo)
             tree = TreeParams(get_method(method).tree_method, int(budget or 16), rho=rho, lambdas=lambdas)
@@ -166,35 +254,37 @@ def main() -> None:
                        "tokens_per_s": round(tokens / sum(r["wall"] for r in runs), 3),
                        "tau": round(sum(x.accepted + 1 for x in rounds) / len(rounds), 3),
                        "mean_tree_size": round(sum(x.tree_size for x in rounds) / len(rounds), 2),
+                       "verifier_link_ms": round(1e3 * verifier.round_trip_s(), 3),
+                       "drafter_link_ms": round(1e3 * drafter.round_trip_s(), 3) if needs else None,
                        "equals_ar": all(r["tokens"] == reference[i] for i, r in enumerate(runs))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        # a cut mid-stream: the drafter's link for a second at round 5, the verifier's at round 15
+        # a cut mid-stream: the drafter's link for a second, then the verifier's
         links.set_rtt(2e-3)
+        cut_rounds = dict(zip([int(x) for x in args.cut_at.split(",")], ("drafter", "verifier")))
 
         def cut_at(n: int) -> None:
-            for at, kind in ((5, "drafter"), (15, "verifier")):
-                if n == at:
-                    links.cut(kind)
-                    threading.Timer(1.0, links.restore, args=(kind,)).start()
+            if n in cut_rounds:
+                links.cut(cut_rounds[n])
+                threading.Timer(1.0, links.restore, args=(cut_rounds[n],)).start()
 
         cut = run(verifier, drafter, prompts[0], params("taps"), on_round=cut_at)
-        cut_row = {"cut": "drafter at round 5, verifier at round 15, 1 s each, RTT 2 ms",
+        cut_row = {"cut": f"drafter at round {args.cut_at.split(',')[0]}, verifier at round "
+                          f"{args.cut_at.split(',')[1]}, 1 s each, RTT 2 ms",
                    "equals_ar": cut["tokens"] == reference[0],
                    "fallback_rounds": sum(1 for x in cut["rounds"] if x.fallback)}
         print(json.dumps(cut_row), flush=True)
-        (out / "link.json").write_text(json.dumps({"rows": rows, "cut": cut_row}, indent=1))
+        (out / "link.json").write_text(json.dumps({"delay": delay, "rows": rows, "cut": cut_row}, indent=1))
         plot(rows, out / "link.png")
-        print("\n| RTT ms | method | tokens/s | tau | mean draft nodes | = AR |")
-        print("|---:|---|---:|---:|---:|---|")
+        print(f"\ndelay: {delay}\n")
+        print("| RTT ms | method | tokens/s | tau | mean draft nodes | link ms (v / d) | = AR |")
+        print("|---:|---|---:|---:|---:|---|---|")
         for r in rows:
+            d = "" if r["drafter_link_ms"] is None else f" / {r['drafter_link_ms']:.2f}"
             print(f"| {r['rtt_ms']:g} | {r['method']} | {r['tokens_per_s']:.2f} | {r['tau']:.2f} "
-                  f"| {r['mean_tree_size']:.1f} | {r['equals_ar']} |")
+                  f"| {r['mean_tree_size']:.1f} | {r['verifier_link_ms']:.2f}{d} | {r['equals_ar']} |")
     finally:
         links.close()
-        for proc, _, _ in servers.values():
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 if __name__ == "__main__":
