@@ -14,8 +14,8 @@ cut for a second each mid-stream (``--cut-at``): its output must equal AR's too 
 loop falls back to AR steps, then recovers). Writes ``link.json`` and ``link.png`` under
 ``--out``.
 
-The link: on loopback by default, with an emulated delay (``DelayLink``: every byte held
-RTT/2 each way). With ``--netns`` (root) each server runs in a network namespace of its
+The link: on loopback by default, with an emulated delay (``DelayLink``, in a process of its
+own: every byte held RTT/2 each way). With ``--netns`` (root) each server runs in a network namespace of its
 own and the loop in a third, joined by veth pairs (``presto_sd.app.bench.netns``): the
 servers' addresses exist only there, and the delay is ``tc netem`` on the veths where the
 kernel has it, else the same user-space relay inside the loop's namespace. Everything it
@@ -25,7 +25,6 @@ made is removed when it ends (``--timeout-s`` bounds the run).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys
@@ -64,37 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # how the --netns run calls itself inside the loop's namespace
     p.add_argument("--inner", default=None, help=argparse.SUPPRESS)  # JSON: addresses, netem, tag
     return p.parse_args(argv)
-
-
-class RelayLinks:
-    """User-space delay: a relay per server on one event loop thread; ``set_rtt`` applies to
-    bytes arriving after it."""
-
-    def __init__(self, targets: dict[str, tuple[str, int]]) -> None:
-        from presto_sd.app.bench.link import DelayLink
-
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.links = {k: DelayLink(target) for k, target in targets.items()}
-        self.addresses = {k: f"127.0.0.1:{self._run(link.start())}" for k, link in self.links.items()}
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def set_rtt(self, rtt_s: float) -> None:
-        for link in self.links.values():
-            link.one_way_s = rtt_s / 2
-
-    def cut(self, kind: str) -> None:
-        self.loop.call_soon_threadsafe(self.links[kind].cut)
-
-    def restore(self, kind: str) -> None:
-        self.loop.call_soon_threadsafe(self.links[kind].restore)
-
-    def close(self) -> None:
-        for link in self.links.values():
-            self._run(link.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class NetemLinks:
@@ -156,20 +124,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    from presto_sd.app.bench.link import RelayProcess
+
     args = parse_args()
     if args.netns and args.inner is None:
         return in_namespaces(args)
     if args.inner is not None:  # in the loop's namespace: the servers are across the veths
         where = json.loads(args.inner)
         targets = {k: _host_port(a) for k, a in where["addresses"].items()}
-        links = NetemLinks(where["tag"], where["addresses"]) if where["netem"] else RelayLinks(targets)
+        links = NetemLinks(where["tag"], where["addresses"]) if where["netem"] else RelayProcess(targets)
         return bench(args, links, delay="netem" if where["netem"] else "relay (no netem in this kernel)")
     serve = argparse.Namespace(drafter=args.drafter, threads=args.threads, target=args.target)
     from bench_grpc import spawn
 
     servers = {kind: spawn(kind, serve) for kind in ("verifier", "drafter")}
     try:
-        links = RelayLinks({kind: ("127.0.0.1", port) for kind, (_, port, _) in servers.items()})
+        links = RelayProcess({kind: ("127.0.0.1", port) for kind, (_, port, _) in servers.items()})
         bench(args, links, delay="relay on loopback")
     finally:
         for proc, _, _ in servers.values():

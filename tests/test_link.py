@@ -101,3 +101,32 @@ def test_a_grpc_verifier_through_the_link(tiny_target):
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         server.stop()
+
+
+def test_the_relay_process_delays_cuts_and_restores():
+    """The relays a benchmark runs beside itself: their own process, driven over stdin."""
+    from presto_sd.app.bench.link import RelayProcess
+
+    async def serve_echo(ready: threading.Event, box: list) -> None:
+        echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
+        box.append(echo.sockets[0].getsockname()[1])
+        ready.set()
+        await asyncio.sleep(30)
+
+    ready, box = threading.Event(), []
+    threading.Thread(target=lambda: asyncio.run(serve_echo(ready, box)), daemon=True).start()
+    ready.wait(5)
+    relay = RelayProcess({"echo": ("127.0.0.1", box[0])})
+    try:
+        port = int(relay.addresses["echo"].rsplit(":", 1)[1])
+        relay.set_rtt(0.03)
+        got, rtt = asyncio.run(_round_trip(port, b"ping"))
+        assert got == b"ping" and 0.03 <= rtt < 0.5
+        relay.cut("echo")
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            asyncio.run(asyncio.wait_for(_round_trip(port, b"z"), 2))
+        relay.restore("echo")
+        assert asyncio.run(_round_trip(port, b"back"))[0] == b"back"
+    finally:
+        relay.close()
+    assert relay.proc.returncode == 0

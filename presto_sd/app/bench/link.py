@@ -5,6 +5,13 @@
     relay.cut()                    # every connection drops; new ones are refused ...
     relay.restore()                # ... until the link is back
 
+A benchmark runs its relays in a process of their own (``RelayProcess``), so that relaying
+never competes with the loop it measures for one interpreter lock:
+
+    python -m presto_sd.app.bench.link drafter=10.77.1.2:50051 verifier=10.77.2.2:50051
+    -> {"ports": {"drafter": 41234, "verifier": 41235}}; then, a line each on stdin:
+       "rtt SECONDS" | "cut NAME" | "restore NAME", each answered "ok"; EOF stops it.
+
 Where the kernel has ``tc netem`` a qdisc on a veth is the usual tool; this machine's
 kernel has no qdiscs at all (``tc qdisc add ... netem``: "Specified qdisc kind is
 unknown"), so the delay lives in user space. Each direction's bytes are held
@@ -17,7 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 _CHUNK = 1 << 16
@@ -110,3 +121,60 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _serve(targets: dict[str, tuple[str, int]]) -> None:
+    links = {name: DelayLink(target) for name, target in targets.items()}
+    ports = {name: await link.start() for name, link in links.items()}
+    print(json.dumps({"ports": ports}), flush=True)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        verb, _, arg = line.strip().partition(" ")
+        if verb == "rtt":
+            for link in links.values():
+                link.one_way_s = float(arg) / 2
+        elif verb in ("cut", "restore"):
+            getattr(links[arg], verb)()
+        print("ok", flush=True)
+    for link in links.values():
+        await link.stop()
+
+
+class RelayProcess:
+    """``DelayLink`` relays in a child process: ``addresses`` to dial, set_rtt / cut / restore."""
+
+    def __init__(self, targets: dict[str, tuple[str, int]]) -> None:
+        argv = [f"{name}={host}:{port}" for name, (host, port) in targets.items()]
+        self.proc = subprocess.Popen([sys.executable, "-m", "presto_sd.app.bench.link", *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ports = json.loads(self.proc.stdout.readline())["ports"]
+        self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        self._lock = threading.Lock()  # a timer thread restores while the loop's thread cuts
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            if self.proc.stdout.readline().strip() != "ok":
+                raise RuntimeError(f"relay: no answer to {line!r}")
+
+    def set_rtt(self, rtt_s: float) -> None:
+        self._say(f"rtt {rtt_s}")
+
+    def cut(self, name: str) -> None:
+        self._say(f"cut {name}")
+
+    def restore(self, name: str) -> None:
+        self._say(f"restore {name}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+if __name__ == "__main__":
+    pairs = (arg.split("=", 1) for arg in sys.argv[1:])
+    asyncio.run(_serve({name: (addr.rsplit(":", 1)[0], int(addr.rsplit(":", 1)[1])) for name, addr in pairs}))
