@@ -154,12 +154,6 @@ class ActorEngine:
         self.link.observe(time.perf_counter() - t0 - out.busy_s)
         return out
 
-    def round_trip_s(self) -> float:
-        return self.link.value
-
-    def link_calls(self) -> int:
-        return self.link.count
-
     def stats(self) -> ray.ObjectRef:
         """A reference: the driver gets every replica's at once."""
         return self.actor.stats.remote()
@@ -176,17 +170,11 @@ class DirectEngine:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         self.local = EngineActor(spec.factory, portable=False)
+        rpc = getattr(self.local.engine, "rpc", None)  # a remote engine's client measures its link
+        self.link: RollingMedian = rpc.link if rpc is not None else RollingMedian()
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
         return self.local.call(method, *args)
-
-    def round_trip_s(self) -> float:
-        """The client's measure of its link (``RpcClient.round_trip_s``)."""
-        return self.local.engine.round_trip_s()
-
-    def link_calls(self) -> int:
-        rpc = getattr(self.local.engine, "rpc", None)
-        return rpc.link.count if rpc is not None else 0
 
     def stats(self) -> EngineStats:
         return self.local.stats()

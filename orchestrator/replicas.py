@@ -47,8 +47,8 @@ class Replica:
 
     def round_trip_s(self) -> float:
         """A call's cost beyond the engine's work: the network to a remote engine, the actor
-        hop to an in-process one (median of the last calls)."""
-        return self.engine.round_trip_s()
+        hop to an in-process one (median of the last calls: ``engine.link``)."""
+        return self.engine.link.value
 
     @property
     def healthy(self) -> bool:
@@ -65,7 +65,7 @@ class Replica:
             self.failed("UNAVAILABLE")
             raise self.unavailable(f"{self.kind} replica {self.name}: {type(e).__name__}") from None
         self.metrics.busy(self.kind, self.name, out.busy_s)
-        self.metrics.link(self.kind, self.name, self.engine.round_trip_s())
+        self.metrics.link(self.kind, self.name, self.engine.link.value)
         if out.error is not None:
             self.failed(out.error.code, isinstance(out.error, UnavailableError))
             raise out.error

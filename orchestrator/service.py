@@ -218,6 +218,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
             default_max_new_tokens=d.params.max_new_tokens, max_requests=orch.config.max_requests,
             tokenizer=self.tokenizer is not None,
             links=[pb.ReplicaLink(service=r.kind, replica=r.name, round_trip_s=r.round_trip_s(),
-                                  calls=r.engine.link_calls())
+                                  calls=r.engine.link.count)
                    for pool in (orch.drafters, orch.verifiers) for r in pool.replicas],
         )

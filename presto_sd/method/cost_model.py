@@ -21,6 +21,7 @@ them can. Pure numpy: no model in here.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -173,17 +174,16 @@ class MovingAverage:
 
 class RollingMedian:
     """The median of the last ``window`` observations (0 before any): a link's round trip,
-    which one GC pause or retransmit must not move."""
+    which one GC pause or retransmit must not move. Read far more often than observed (every
+    round of every request, every orchestrator call), so the median is kept, not recomputed."""
 
     def __init__(self, window: int = 31) -> None:
         self._obs: deque[float] = deque(maxlen=window)
         self.count = 0  # observations ever made
+        self.value = 0.0
 
     def observe(self, x: float) -> None:
         if math.isfinite(x):
             self._obs.append(max(0.0, x))
             self.count += 1
-
-    @property
-    def value(self) -> float:
-        return float(np.median(self._obs)) if self._obs else 0.0
+            self.value = statistics.median(self._obs)
