@@ -12,6 +12,7 @@ values (``Outcome.error``) so the driver re-raises the engine's own named error.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,11 +132,19 @@ def remote_spec(kind: str, address: str, config: ClientConfig | None = None) -> 
     return ReplicaSpec(kind, address, factory, direct=True)
 
 
+def engine_env() -> dict[str, str]:
+    """What an engine's process adds to its environment: OpenMP's idle threads sleep
+    (unless set). Engines on one machine each have their own OpenMP pool; threads that
+    spin while idle take the cores the other engine computes on (docs/benchmarks.md,
+    "Serving under load")."""
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 def start_actor(spec: ReplicaSpec) -> ray.actor.ActorHandle:
     """Start the actor (the engine loads in the background; the first call waits for it)."""
     cls = ray.remote(EngineActor).options(
         num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=spec.max_restarts,
-        max_concurrency=1, name=None,
+        max_concurrency=1, name=None, runtime_env={"env_vars": engine_env()},
     )
     return cls.remote(spec.factory, spec.threads)
 

@@ -49,8 +49,26 @@ def test_no_data_or_one_size_gives_no_fit_and_a_prior_fills_the_sizes_not_seen()
     assert one.shared_fit(8) is None
     prior = CostFit(intercept_s=0.04, per_node_s=0.001, per_context_s=0.0, per_node_context_s=0.0)
     one.prior = prior
-    assert one.seconds(64) == pytest.approx(prior.seconds(64, 256), rel=1e-6)
+    level = 0.05 / prior.seconds(16, 256)  # the sizes not seen: the prior's shape at the data's level
+    assert one.seconds(64) == pytest.approx(prior.seconds(64, 256) * level, rel=1e-6)
     assert one.shared_fit(8) is not None
+
+
+def test_a_prior_below_the_data_does_not_make_nodes_free():
+    """Under load every forward runs slower than the lone calibration. Seen: AR steps of 16
+    rows only, at 3x the prior. The sizes past them keep the prior's slope at that level,
+    and noisy batches of nearly one size cannot flatten it to nothing."""
+    prior = CostFit(intercept_s=0.04, per_node_s=0.002, per_context_s=0.0, per_node_context_s=0.0)
+    curve = BatchCostCurve(prior=prior, context=0)
+    for _ in range(5):
+        curve.observe(16, 3 * prior.seconds(16, 0))
+    fit = curve.shared_fit(15)
+    assert fit.per_node_s == pytest.approx(3 * 0.002, rel=0.05)
+    noisy = BatchCostCurve(prior=prior, context=0)
+    noisy.observe(16, 0.25)
+    noisy.observe(23, 0.24)  # a tree of 7 more rows that happened to run faster
+    level = 0.25 / prior.seconds(16, 0)
+    assert noisy.shared_fit(15).per_node_s >= 0.002 * level * 0.99
 
 
 def test_budgets_shrink_to_ar_steps_as_the_load_grows_and_grow_back():

@@ -8,7 +8,9 @@ verifier-lost test kills the only verifier and stays last in the file.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import socket
 import threading
@@ -22,6 +24,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator import service
+from orchestrator.actors import ActorEngine, ReplicaSpec
 from orchestrator.client import OrchestratorClient
 from orchestrator.metrics import prometheus_names
 from orchestrator.orchestrator import Orchestrator
@@ -356,6 +359,24 @@ def test_metrics_are_exported_and_the_dashboard_uses_their_names(stack, metrics_
     queried = set(re.findall(r"ray_presto_[a-z_]+", DASHBOARD.read_text()))
     assert queried and queried <= exported, queried - exported
     json.loads(DASHBOARD.read_text())
+
+
+def test_engine_actors_let_idle_openmp_threads_sleep(metrics_port, monkeypatch):
+    """Two engines share the machine's cores: an actor's spinning OpenMP threads would take
+    the other's (``engine_env``); a value the operator set is kept."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    probe = ReplicaSpec("verifier", "env-probe", functools.partial(os.getenv, "OMP_WAIT_POLICY", "unset"))
+    engine = ActorEngine(probe)  # the "engine" is the actor process's value; ``call`` runs its methods
+    try:
+        assert engine.call("lower", timeout_s=120).value == "passive"
+    finally:
+        engine.kill()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    engine = ActorEngine(probe)
+    try:
+        assert engine.call("lower", timeout_s=120).value == "active"
+    finally:
+        engine.kill()
 
 
 def test_verifier_lost_fails_after_the_retry_budget(stack):

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from orchestrator.actors import engine_env
 from presto_sd.app.reaper import start_reaper
 from presto_sd.app.serve import add_orchestrator_args, serve_orchestrator
 
@@ -54,12 +55,11 @@ def child_command(kind: str, args: argparse.Namespace, token_file: str | None = 
 def child_env() -> dict[str, str]:
     """The servers' environment: ours, with OpenMP's idle threads sleeping (unless set).
 
-    `up` runs both engines on one machine, each with its own OpenMP pool. With threads
-    that spin while idle, one engine's spinning takes the cores the other computes on
-    (measured on a 2-vCPU machine, 2026-12-01: 16 `taps` streams 26 -> 31 tokens/s, one
-    `ar` stream 8.0 -> 8.7; `docs/benchmarks.md`, "Serving under load").
+    `up` runs both engines on one machine, each with its own OpenMP pool (measured on a
+    2-vCPU machine, 2026-12-01: 16 `taps` streams 26 -> 31 tokens/s, one `ar` stream
+    8.0 -> 8.7; `docs/benchmarks.md`, "Serving under load").
     """
-    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    return {**os.environ, **engine_env()}
 
 
 class _Child:
