@@ -330,7 +330,8 @@ def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate(
 
 def test_under_load_the_gate_probes_less_often():
     """In a shared forward a losing probe slows every stream: the backoff grows past the
-    lone cap (8) to the loaded one (32); alone it stops at 8."""
+    lone cap (8) to the loaded one (32), each skip drawn from [b, 2b) so that streams that
+    started together spread their probes; alone it stops at 8, with no draw."""
     from presto_sd.loop.taps_feedback import TapsFeedback
     from presto_sd.method.batch_cost import SharedForward
     from presto_sd.method.tree import TokenTree
@@ -338,10 +339,15 @@ def test_under_load_the_gate_probes_less_often():
     loaded = _CalibratedVerifier()
     loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=15.0)
     root = TokenTree.root_only(7)
-    for verifier, want in ((loaded, [1, 2, 4, 8, 16, 32, 32]),
-                           (_CalibratedVerifier(), [1, 2, 4, 8, 8, 8, 8])):
-        fb = TapsFeedback(verifier)
-        assert [skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)] == want
+    backoffs = [1, 2, 4, 8, 16, 32, 32]
+    skips = []
+    for seed in ("request-a", "request-b"):
+        fb = TapsFeedback(loaded, seed=seed)
+        skips.append([skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)])
+        assert all(b <= s < 2 * b for s, b in zip(skips[-1], backoffs)), skips[-1]
+    assert skips[0] != skips[1]  # two requests probe in different forwards
+    fb = TapsFeedback(_CalibratedVerifier(), seed="request-a")
+    assert [skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)] == [1, 2, 4, 8, 8, 8, 8]
 
 
 def test_taps_feedback_hands_the_loop_what_it_learned():

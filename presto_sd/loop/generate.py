@@ -181,7 +181,7 @@ def stream_generate(
         first = () if resume else stopper.accept((anchor,))
         yield TokenChunk(first, None, stopper.finish_reason)
         tree_params = replace(params.tree, method=params.method)
-        taps = TapsFeedback(verifier, drafter) if method.sizes_itself else None
+        taps = TapsFeedback(verifier, drafter, seed=sid) if method.sizes_itself else None
         while stopper.finish_reason is None:
             # the bonus token adds one: never draft deeper than the output (and the window) can
             # still use, so the last rounds before the end are shallower trees, then AR steps

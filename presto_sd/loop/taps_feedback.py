@@ -29,10 +29,13 @@
   commit, and keeps a moving average (weight 0.1 on the newest, from 0). While it is
   negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (8), or
   ``max_backoff_loaded`` (32) in a shared forward, where a losing probe slows every stream
-  in it. A skipped round is a plain AR step (the drafter gets its delta with the next
-  draft); a drafted round that brings the average back to >= 0 resets the backoff. The
-  average moves only on drafted rounds, so after a long losing stretch it takes a few
-  good probes, up to ``max_backoff`` rounds apart, to reopen. Where trees pay (a GPU, a good drafter) the
+  in it; there each skip is drawn from ``[b, 2b)`` (seeded by the request) so that the
+  streams that started together do not all probe in the same forward (a batch leaves
+  without the streams that are drafting, and a herd of them splits it in two). A skipped
+  round is a plain AR step (the drafter gets its delta with the next draft); a drafted
+  round that brings the average back to >= 0 resets the backoff. The average moves only
+  on drafted rounds, so after a long losing stretch it takes a few good probes, up to
+  ``max_backoff`` rounds apart, to reopen. Where trees pay (a GPU, a good drafter) the
   gate stays open; where nothing beats AR, ``taps`` runs mostly AR steps and probes.
 
 Only ``taps`` reads it; one per request, so what it learns follows the request's domain.
@@ -40,6 +43,7 @@ Only ``taps`` reads it; one per request, so what it learns follows the request's
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from presto_sd.engine.drafter import Drafter
@@ -52,7 +56,7 @@ from presto_sd.method.tree import TokenTree
 
 class TapsFeedback:
     def __init__(self, verifier: Verifier, drafter: Drafter | None = None, max_backoff: int = 8,
-                 max_backoff_loaded: int = 32) -> None:
+                 max_backoff_loaded: int = 32, seed: int | str = 0) -> None:
         prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
@@ -66,6 +70,7 @@ class TapsFeedback:
         # in a shared forward a probe costs every stream in it, not only this one: probe less
         self.max_backoff_loaded = max(max_backoff, max_backoff_loaded)
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
+        self._jitter = random.Random(seed)  # spreads loaded streams' probes over the forwards
         self._verifier, self._rows = verifier, 1  # this request's rows in its last forward
         self._drafter = drafter
 
@@ -125,5 +130,7 @@ class TapsFeedback:
             cap = self.max_backoff if shared is None else self.max_backoff_loaded
             self._backoff = min(cap, max(1, 2 * self._backoff))
             self._skip = self._backoff
+            if shared is not None:
+                self._skip += self._jitter.randrange(self._backoff)
         else:
             self._backoff = 0
