@@ -132,19 +132,26 @@ def remote_spec(kind: str, address: str, config: ClientConfig | None = None) -> 
     return ReplicaSpec(kind, address, factory, direct=True)
 
 
-def engine_env() -> dict[str, str]:
-    """What an engine's process adds to its environment: OpenMP's idle threads sleep
-    (unless set). Engines on one machine each have their own OpenMP pool; threads that
-    spin while idle take the cores the other engine computes on (docs/benchmarks.md,
-    "Serving under load")."""
-    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+def engine_env(kind: str) -> dict[str, str]:
+    """What an engine's process adds to its environment where engines share a machine: the
+    drafter's idle OpenMP threads sleep (unless the operator set a policy).
+
+    Each engine has its own OpenMP pool. The drafter runs now and then; its threads
+    spinning between calls took the cores the verifier computes on. The verifier runs
+    nearly all the time, and sleeping between its forwards' parallel regions made AR
+    slower (embedded, 16 streams, 2026-12-01: `ar` 58-61 tokens/s with both sleeping,
+    66-72 with only the drafter's; `taps` the same either way; docs/benchmarks.md).
+    """
+    if kind == "drafter" or "OMP_WAIT_POLICY" in os.environ:
+        return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    return {}
 
 
 def start_actor(spec: ReplicaSpec) -> ray.actor.ActorHandle:
     """Start the actor (the engine loads in the background; the first call waits for it)."""
     cls = ray.remote(EngineActor).options(
         num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=spec.max_restarts,
-        max_concurrency=1, name=None, runtime_env={"env_vars": engine_env()},
+        max_concurrency=1, name=None, runtime_env={"env_vars": engine_env(spec.kind)},
     )
     return cls.remote(spec.factory, spec.threads)
 

@@ -361,22 +361,22 @@ def test_metrics_are_exported_and_the_dashboard_uses_their_names(stack, metrics_
     json.loads(DASHBOARD.read_text())
 
 
-def test_engine_actors_let_idle_openmp_threads_sleep(metrics_port, monkeypatch):
-    """Two engines share the machine's cores: an actor's spinning OpenMP threads would take
-    the other's (``engine_env``); a value the operator set is kept."""
+def test_a_drafter_actor_lets_idle_openmp_threads_sleep(metrics_port, monkeypatch):
+    """Two engines share the machine's cores: the drafter's spinning OpenMP threads would
+    take the verifier's (``engine_env``); the verifier keeps the default; a value the
+    operator set is kept."""
+    def policy_in_actor(kind: str) -> str:
+        probe = ReplicaSpec(kind, "env-probe", functools.partial(os.getenv, "OMP_WAIT_POLICY", "unset"))
+        engine = ActorEngine(probe)  # the "engine" is the actor process's value; ``call`` runs its methods
+        try:
+            return engine.call("lower", timeout_s=120).value
+        finally:
+            engine.kill()
+
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    probe = ReplicaSpec("verifier", "env-probe", functools.partial(os.getenv, "OMP_WAIT_POLICY", "unset"))
-    engine = ActorEngine(probe)  # the "engine" is the actor process's value; ``call`` runs its methods
-    try:
-        assert engine.call("lower", timeout_s=120).value == "passive"
-    finally:
-        engine.kill()
+    assert policy_in_actor("drafter") == "passive" and policy_in_actor("verifier") == "unset"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    engine = ActorEngine(probe)
-    try:
-        assert engine.call("lower", timeout_s=120).value == "active"
-    finally:
-        engine.kill()
+    assert policy_in_actor("drafter") == "active"
 
 
 def test_verifier_lost_fails_after_the_retry_budget(stack):

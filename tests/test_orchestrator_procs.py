@@ -371,10 +371,11 @@ def test_a_restarted_drafter_brings_speculation_back(predictable_dir):
             proc.wait(timeout=30)
 
 
-def test_up_lets_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
+def test_up_lets_the_drafters_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
     from presto_sd.app.up import child_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE"  # two engines share the machine's cores
+    assert child_env("drafter")["OMP_WAIT_POLICY"] == "PASSIVE"  # two engines share the machine's cores
+    assert "OMP_WAIT_POLICY" not in child_env("verifier")  # it runs nearly all the time: OpenMP's default
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert child_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert child_env("drafter")["OMP_WAIT_POLICY"] == "ACTIVE" == child_env("verifier")["OMP_WAIT_POLICY"]

@@ -52,14 +52,10 @@ def child_command(kind: str, args: argparse.Namespace, token_file: str | None = 
     return cmd
 
 
-def child_env() -> dict[str, str]:
-    """The servers' environment: ours, with OpenMP's idle threads sleeping (unless set).
-
-    `up` runs both engines on one machine, each with its own OpenMP pool (measured on a
-    2-vCPU machine, 2026-12-01: 16 `taps` streams 26 -> 31 tokens/s, one `ar` stream
-    8.0 -> 8.7; `docs/benchmarks.md`, "Serving under load").
-    """
-    return {**os.environ, **engine_env()}
+def child_env(kind: str) -> dict[str, str]:
+    """A server's environment: ours, with the drafter's idle OpenMP threads sleeping
+    (unless set): `up` runs both engines on one machine (``engine_env``)."""
+    return {**os.environ, **engine_env(kind)}
 
 
 class _Child:
@@ -71,7 +67,7 @@ class _Child:
         self.kind, self.events, self.echo = kind, {}, echo
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     preexec_fn=_die_with_parent, env=child_env())
+                                     preexec_fn=_die_with_parent, env=child_env(kind))
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
