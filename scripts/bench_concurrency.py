@@ -12,7 +12,9 @@ in turn, through each mode:
 The peer is transformers' own ``generate`` on the same target, the same C prompts
 left-padded into one batch, greedy, in each ``--peer-dtypes``. Per row: useful tokens/s
 (new tokens up to each stream's end / wall), time to first token p50/p99, per-token
-latency p50/p99 (a chunk's gap spread over its tokens), tau, and whether every output
+latency p50/p99 (a chunk's gap spread over its tokens), tau, the work behind them (rounds
+that verified a tree, its nodes, the tokens accepted; in ``up``, each process's CPU
+seconds: steadier than a speed on a shared machine), and whether every output
 equals the AR output (the first method's output in ``ar``, or the peer's in fp32). Writes
 ``serving.json`` and ``serving.png`` under ``--out``.
 """
@@ -64,7 +66,7 @@ def drive(generate, prompts: list, level: int) -> dict:
             elif chunk.tokens:
                 gaps += [(now - last) / len(chunk.tokens)] * len(chunk.tokens)
             if chunk.stats is not None:
-                rounds.append(chunk.stats.accepted + 1)
+                rounds.append(chunk.stats)
             tokens += chunk.tokens
             last = now
         return tokens, ttft, gaps, rounds
@@ -77,13 +79,40 @@ def drive(generate, prompts: list, level: int) -> dict:
     ttfts = [r[1] for r in results]
     gaps = [g for r in results for g in r[2]]
     rounds = [x for r in results for x in r[3]]
+    drafted = [x for x in rounds if not (x.gated or x.fallback) and x.tree_size > 0]
     return {"streams": level, "wall_s": round(wall, 2), "tokens": tokens,
             "tokens_per_s": round(tokens / wall, 2),
             "ttft_p50_s": round(percentile(ttfts, 50), 3), "ttft_p99_s": round(percentile(ttfts, 99), 3),
             "token_p50_ms": round(1e3 * percentile(gaps, 50), 1),
             "token_p99_ms": round(1e3 * percentile(gaps, 99), 1),
-            "tau": round(sum(rounds) / len(rounds), 3) if rounds else None,
+            "tau": round(sum(x.accepted + 1 for x in rounds) / len(rounds), 3) if rounds else None,
+            # the work behind the speed, steadier than it on a noisy machine: rounds that
+            # verified a tree, the nodes verified, the draft tokens they got accepted
+            "rounds": len(rounds), "tree_rounds": len(drafted),
+            "tree_nodes": sum(x.tree_size for x in drafted), "accepted": sum(x.accepted for x in drafted),
             "outputs": [t for t, *_ in results]}
+
+
+def process_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds so far of ``root`` and its descendants, by role (Linux ``/proc``; {}
+    elsewhere): where a shared machine's cores went."""
+    hz, out, todo = os.sysconf("SC_CLK_TCK"), {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().split("\0")
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        role = next((f"serve {k}" for k in ("verifier", "drafter") if k in cmd[3:5]),
+                    "up" if "up" in cmd[3:4] else "ray")
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / hz
+    return out
 
 
 class UpStack:
@@ -101,6 +130,9 @@ class UpStack:
                 self.client = OrchestratorClient(json.loads(line)["orchestrator"])
                 return
         raise SystemExit(f"presto-sd up exited ({self.proc.wait()}) before it was up")
+
+    def cpu_s(self) -> dict[str, float]:
+        return process_cpu_s(self.proc.pid)
 
     def generate(self, method: str, args: argparse.Namespace):
         return lambda prompt: self.client.generate(list(prompt), method=method, chat=False,
@@ -126,6 +158,9 @@ class EmbeddedStack:
                                        [local_spec("verifier", 0, None, None, args.threads)])
         self.eos = self.orch.verifiers.replicas[0].call("info").value.eos_token_ids
         self.dinfo = self.orch.drafters.replicas[0].call("info").value
+
+    def cpu_s(self) -> dict[str, float]:
+        return {}  # the actors are Ray's workers, not this process's children
 
     def generate(self, method: str, args: argparse.Namespace):
         from orchestrator.requests import GenerateJob
@@ -203,7 +238,12 @@ def main() -> None:
                 gen = stack.generate(method, args)
                 list(gen(prompts[0]))  # warm-up
                 for level in levels:
-                    rows.append({"mode": mode, "method": method, **drive(gen, prompts[:level], level)})
+                    before = stack.cpu_s()
+                    row = {"mode": mode, "method": method, **drive(gen, prompts[:level], level)}
+                    after = stack.cpu_s()
+                    row["cpu_s"] = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()
+                                    if v - before.get(k, 0.0) >= 0.05}
+                    rows.append(row)
                     bar.update(1)
         finally:
             stack.close()
@@ -222,13 +262,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         r.pop("outputs", None)
     print(f"\nGSM8K prompts, {args.max_new_tokens} new tokens, greedy, budget {args.budget}, "
           f"{args.threads} threads per engine")
-    print("| mode | method | streams | tokens/s | TTFT p50 / p99 s | per-token p50 / p99 ms | tau | = AR |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+    print("| mode | method | streams | tokens/s | TTFT p50 / p99 s | per-token p50 / p99 ms | tau "
+          "| tree rounds / rounds | nodes / accepted | CPU s | = AR |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
+        cpu = ", ".join(f"{k} {v}" for k, v in r.get("cpu_s", {}).items()) or "-"
         print(f"| {r['mode']} | {r['method']} | {r['streams']} | {r['tokens_per_s']} "
               f"| {r.get('ttft_p50_s', '-')} / {r.get('ttft_p99_s', '-')} "
               f"| {r.get('token_p50_ms', '-')} / {r.get('token_p99_ms', '-')} | {r.get('tau') or '-'} "
-              f"| {r['equal_to_ar']} |")
+              f"| {r.get('tree_rounds', '-')} / {r.get('rounds', '-')} "
+              f"| {r.get('tree_nodes', '-')} / {r.get('accepted', '-')} "
+              f"| {cpu} | {r['equal_to_ar']} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
