@@ -129,16 +129,17 @@ class _Curve:
         slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9)  # past the last point: its last slope
         return float(y[-1] + slope * (tokens - x[-1]))
 
-    def ratio(self, tokens: float) -> float:
-        """Observed over prior seconds near ``tokens``: interpolated in log size between the
-        sizes seen, held beyond them; 1 with nothing seen."""
-        if not self.level_x.size:
-            return 1.0
-        return math.exp(float(np.interp(math.log2(max(tokens, 1.0)), self.level_x, self.level)))
-
     def node_floor(self, tokens: float) -> float:
         """The least a node costs in a forward of ``tokens``: the prior's, at this level."""
-        return self.prior_node_s * self.ratio(tokens)
+        return self.prior_node_s * _level(self.level_x, self.level, tokens)
+
+
+def _level(level_x: np.ndarray, level: np.ndarray, tokens: float) -> float:
+    """Observed over prior seconds near ``tokens``: interpolated in log size between the
+    sizes seen, held beyond them; 1 with nothing seen."""
+    if not level_x.size:
+        return 1.0
+    return math.exp(float(np.interp(math.log2(max(tokens, 1.0)), level_x, level)))
 
 
 def _build(points: list[tuple[float, float] | None], prior: CostFit | None, context: int) -> _Curve:
@@ -158,9 +159,8 @@ def _build(points: list[tuple[float, float] | None], prior: CostFit | None, cont
     ordered = sorted(seen.values())
     level_x = np.asarray([math.log2(n) for n, _ in ordered])
     level = np.asarray([math.log(s / prior_s(n)) for n, s in ordered])
-    curve = _Curve(empty, empty, level_x, level, prior.marginal_node_s(context))
     xs = [seen[i][0] if i in seen else float(n) for i, n in enumerate(_BINS)]
-    ys = [seen[i][1] if i in seen else prior_s(n) * curve.ratio(n) for i, n in enumerate(_BINS)]
+    ys = [seen[i][1] if i in seen else prior_s(n) * _level(level_x, level, n) for i, n in enumerate(_BINS)]
     order = np.argsort(xs, kind="stable")
     x, y = np.asarray(xs)[order], np.maximum.accumulate(np.asarray(ys)[order])  # never falls
-    return _Curve(x, y, level_x, level, curve.prior_node_s)
+    return _Curve(x, y, level_x, level, prior.marginal_node_s(context))
