@@ -26,8 +26,9 @@ def tiny_spec(kind: str, index: int = 0) -> ReplicaSpec:
 
 # -- real server processes --------------------------------------------------------------
 def spawn_server(kind: str, target: Path) -> tuple[subprocess.Popen, queue.Queue]:
+    # fp32: these tests hold the output to transformers' own greedy generate
     return spawn(["serve", kind, "--port", "0", "--target", str(target), "--drafter", "random",
-                  "--threads", "1", "--drain-s", "0", "--grace-s", "0"])
+                  "--threads", "1", "--drain-s", "0", "--grace-s", "0", "--dtype", "float32"])
 
 
 def descendants(pid: int) -> set[int]:

@@ -16,7 +16,8 @@ from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
 from tests.conftest import make_engines
 
-ALL = ("ar", "hf-prompt-lookup", "linear", "marginal", "presto-beam", "presto-best-first", "taps")
+ALL = ("ar", "hf-generate", "hf-prompt-lookup", "linear", "marginal", "presto-beam", "presto-best-first",
+       "taps")
 PROMPTS = [
     BenchPrompt("alpha", "a0", (0, 3, 5, 7)),
     BenchPrompt("alpha", "a1", (0, 1, 1, 2, 3, 5, 8, 13)),
@@ -46,8 +47,8 @@ def test_bench_smoke(tiny_target, tmp_path):
     assert saved["config"]["budgets"] == [4, 16] and saved["command"] == "test"
 
     rows = saved["rows"]
-    # jobs: ar, the peer, linear, taps, 3 methods x 2 budgets = 10; x (2 datasets + pooled)
-    assert len(rows) == 10 * 3
+    # jobs: ar, the 2 peers, linear, taps, 3 methods x 2 budgets = 11; x (2 datasets + pooled)
+    assert len(rows) == 11 * 3
     for row in rows:
         assert ROW_FIELDS <= set(row), row["method"]
         assert row["lossless"] is True, (row["dataset"], row["method"], row["budget"])
@@ -61,7 +62,7 @@ def test_bench_smoke(tiny_target, tmp_path):
     runs = (tmp_path / "runs.jsonl").read_text().splitlines()
     taps = [r for r in rows if r["method"] == "taps"]
     assert all(0 <= r["mean_tree_size"] <= 12 and r["params"]["cap"] == 12 for r in taps)
-    assert len(runs) == 10 * len(PROMPTS)
+    assert len(runs) == 11 * len(PROMPTS)
     md = (tmp_path / "results.md").read_text()
     assert "| beta | presto-beam | 16 |" in md and "budget_sweep.png" in md
     assert not verifier.sessions and not drafter.sessions

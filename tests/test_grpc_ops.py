@@ -296,7 +296,7 @@ def test_verifier_restarted_mid_generation(tiny_target):
 # -- the real target, through the CLI, with real processes ------------------------------
 def _spawn(kind: str) -> tuple[subprocess.Popen, queue.Queue]:
     return spawn(["serve", kind, "--port", "0", "--drafter", "random", "--threads", "1",
-                  "--drain-s", "0.5", "--grace-s", "1"])
+                  "--drain-s", "0.5", "--grace-s", "1", "--dtype", "float32"])  # held to HF's fp32 generate
 
 
 @pytest.mark.smollm2
@@ -311,7 +311,7 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
         ports = {kind: wait_for(lines, "listening")["port"] for kind, (_, lines) in servers.items()}
         for _, lines in servers.values():
             wait_for(lines, "serving")
-        model, tok = load_target(device=torch.device("cpu"))
+        model, tok = load_target(device=torch.device("cpu"), dtype=torch.float32)
         eos = set(eos_token_ids(model, tok))
         text = "Write a Python function that reverses a string."
         prompt = generate.encode_prompt(tok, text, chat=True)

@@ -144,11 +144,13 @@ def test_stop_strings(tiny_target):
 
 @pytest.mark.smollm2
 def test_smollm2_greedy_equals_ar():
-    """Once on the real target: SmolLM2-135M-Instruct, a few chat prompts, 32 tokens."""
+    """Once on the real target: SmolLM2-135M-Instruct, a few chat prompts, 32 tokens, in fp32
+    against transformers' own ``generate`` (bf16 is held to the engine's own AR, bitwise:
+    ``test_invariance.py``)."""
     from presto_sd.app.generate import encode_prompt
     from presto_sd.embedded.stack import build_embedded
 
-    stack = build_embedded(device=torch.device("cpu"))
+    stack = build_embedded(device=torch.device("cpu"), dtype=torch.float32)
     tok, model = stack.tokenizer, stack.verifier.model
     for text in ["What is the capital of France?", "Write a Python function that reverses a string."]:
         prompt = encode_prompt(tok, text, chat=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from presto_sd.models.cache import cache_dir
+from presto_sd.models.invariant import invariant_kernels_for, native_bf16
 from presto_sd.models.loading import SMOLLM2_GGUF, fetch_smollm2, load_target, resolve_drafter
 
 
@@ -18,7 +19,9 @@ def test_gguf_and_converted_dir_are_the_same_model():
     ids = torch.tensor([tok("The capital of France is")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(a(ids).logits, b(ids).logits)
-    assert a.dtype == torch.float32  # fp32 on CPU
+    # auto: bf16 only on a CPU with native bf16 and row-invariant bf16 kernels (invariant.py)
+    assert a.dtype == (torch.bfloat16 if native_bf16() and invariant_kernels_for(a.config, torch.bfloat16)
+                       else torch.float32)
 
 
 def test_missing_gguf_is_a_clear_error(tmp_path):

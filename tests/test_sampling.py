@@ -40,6 +40,7 @@ from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.method import acceptance
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.tree import TokenTree
+from presto_sd.models.invariant import native_bf16
 from tests.conftest import tiny_llama
 
 V = 6
@@ -295,6 +296,30 @@ def test_whole_generations_at_t_above_0_sample_as_plain_sampling(e2e_engines, e2
     check_rounds(rounds, n, min_rounds=1.5)
     p = pair_p_values(samples, e2e_tables)
     assert min(p) > ALPHA / len(p), f"{method}: the output deviates from plain sampling (pair p = {p})"
+
+
+@pytest.mark.skipif(not native_bf16(), reason="no native bf16 on this CPU: bf16 is never the default here")
+def test_whole_generations_sample_as_plain_sampling_in_bf16(e2e_target, monkeypatch):
+    """The same test in bf16 (the CPU default where it is native): the law is bf16's own."""
+    from presto_sd.method.cost_model import CostFit, OnlineCostModel
+    from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
+    from presto_sd.models.loading import random_drafter_config
+    from tests.conftest import make_engines
+
+    target = type(e2e_target)(e2e_target.config).to(torch.bfloat16).eval()
+    target.load_state_dict(e2e_target.state_dict())
+    torch.manual_seed(1)
+    cfg = random_drafter_config(target.config, num_layers=1, block_size=8)
+    cfg["dflash_config"]["target_layer_ids"] = [0, 1]
+    drafter_model = DFlashDraftModel(DFlashConfig.from_dict(cfg)).to(torch.bfloat16).eval()
+    verifier, drafter = make_engines(target, drafter_model)
+    hold_taps_open(monkeypatch)
+    verifier.forward_costs = OnlineCostModel(prior=CostFit(0.05, 0.0, 0.0, 0.0))
+    verifier.forward_costs.observe = lambda *a: None
+    samples, rounds = sampled_generations(verifier, drafter, "presto-best-first", E2E_N)
+    check_rounds(rounds, E2E_N, min_rounds=1.5)
+    p = pair_p_values(samples, exact_pairs(exact_sequences(target, E2E_PROMPT, E2E_K, E2E_SAMPLING)))
+    assert min(p) > ALPHA / len(p), f"bf16: the output deviates from plain sampling (pair p = {p})"
 
 
 def _biased_walk(flaw: str):

@@ -37,8 +37,7 @@ def test_tree_logits_equal_causal_path_logits(tiny_target):
     pre = v.prefill("s", PROMPT)
     tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
     s = v.sessions["s"]
-    mask_fn = __import__("presto_sd.method.tree", fromlist=["tree_attention_mask"]).tree_attention_mask
-    seg = Segment(s.kv, 0, len(tree.tokens), mask_fn(tree, len(PROMPT)))
+    seg = Segment(s.kv, 0, len(tree.tokens), tree.paths())
     with torch.inference_mode():  # the session's buffers are inference tensors
         hidden, _ = v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
         logits = v._logits(hidden)

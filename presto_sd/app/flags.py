@@ -11,8 +11,9 @@ from presto_sd.method.methods import METHOD_NAMES, METHODS
 
 # presto_sd.models.loading.DTYPE_NAMES, without importing transformers for --help
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_HELP = ("model dtype: auto = fp32 on CPU, bf16 on GPU; bf16 on a CPU with AVX512-BF16 is "
-              "faster, but its greedy output is not AR's (docs/benchmarks.md)")
+DTYPE_HELP = ("model dtype: auto = bf16 on a GPU, and on a CPU with native bf16 (AVX512-BF16/AMX) "
+              "whose kernels are row-invariant (speculative output bitwise the engine's AR), else "
+              "fp32; start-up says which and why (docs/benchmarks.md)")
 METHOD_HELP = "; ".join(f"{m.name} = {m.help}" for m in METHODS.values())
 
 

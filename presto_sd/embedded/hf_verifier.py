@@ -52,7 +52,8 @@ from presto_sd.method.acceptance import (
     walk_tree,
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
-from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError, tree_attention_mask
+from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
+from presto_sd.models.invariant import install_invariant_linears, invariant_linear, pick_linear_kernel
 from presto_sd.models.session_kv import KVStore, Segment, SessionKV, packed_forward
 
 
@@ -89,6 +90,10 @@ class HFVerifier(Verifier):
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        # row-invariant kernels inside packed_forward only: a tree's rows are bitwise AR's steps
+        head = self.lm_head.weight
+        self.head_kernel = pick_linear_kernel(head.shape[1], head.shape[0], head.dtype, head.device.type)
+        self.row_invariant = install_invariant_linears(self.decoder) and self.head_kernel is not None
         n_layers = model.config.num_hidden_layers
         if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
             raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
@@ -164,7 +169,8 @@ class HFVerifier(Verifier):
         return out.last_hidden_state[0], feats[0]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        return invariant_linear(hidden, head.weight, head.bias, self.head_kernel or "aten").float()
 
     def prefill(
         self,
@@ -328,8 +334,7 @@ class HFVerifier(Verifier):
         segments, input_ids, positions = [], [], []
         for s, c in items:
             n = len(c.tree.tokens)
-            mask = None if n == 1 else tree_attention_mask(c.tree, c.base, self.model.dtype).to(self.device)
-            segments.append(Segment(s.kv, len(input_ids), n, mask))
+            segments.append(Segment(s.kv, len(input_ids), n, None if n == 1 else c.tree.paths()))
             input_ids += c.tree.tokens
             positions += [c.base + d for d in c.tree.depths]
         for c, _ in prompts:  # a new session's prompt: causal, from position 0

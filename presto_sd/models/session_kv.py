@@ -2,10 +2,11 @@
 
 Many sessions' new tokens (plain AR steps, tree nodes, prompt chunks) go through ONE
 target forward as one packed sequence: the linear layers see exactly the real token rows
-(no padding), and attention runs per session over a view of that session's own buffers
-(no gather of anyone's cache into a batch, no copy of the past). transformers' own
-``sdpa_attention_forward`` does each session's attention, so a lone session computes what
-an ordinary cached forward computes.
+(no padding), and attention runs per session over that session's own buffers. A prompt
+chunk attends by itself with transformers' own sdpa. Decode rows (AR steps and tree
+nodes) attend one row each (``invariant.row_attention``): an AR step reads its keys in
+place, a tree node gathers its committed prefix and ancestors into the same layout, so a
+node's row is bitwise the AR step that computes its token, whatever else shares the call.
 
 A forward writes its new KV after a session's committed ``length`` and leaves ``length``
 alone: the caller commits (``keep``) what it accepts, so a refused or failed call never
@@ -25,8 +26,10 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from presto_sd.models.invariant import KEY_BLOCK, invariant_rows, key_width, row_attention
+
 ATTENTION = "presto_sessions"  # the attention implementation name this module registers
-_ROUND = 16  # capacities are multiples of this
+_ROUND = KEY_BLOCK  # capacities are multiples of this: a row reads whole key blocks in place
 _GROWTH = 1.5  # a full buffer grows to this many times what it needs: amortised O(1) appends
 
 
@@ -232,37 +235,105 @@ def _kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
 class Segment:
     """One session's share of a packed forward: ``n`` new tokens from query ``start``.
 
-    ``mask``: None for causal new tokens (a prompt chunk, one AR token), else an additive
-    [1, 1, n, length + n] mask (a tree: the committed prefix plus its own ancestors).
+    ``ancestors`` None: causal new tokens (a prompt chunk; one token is an AR step). Else
+    a tree: row ``i`` sees the committed prefix and the rows ``ancestors[i]`` (its path
+    from the root, itself last), at position ``length + len(ancestors[i]) - 1``.
     """
 
     kv: SessionKV
     start: int
     n: int
-    mask: torch.Tensor | None = None
+    ancestors: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def decode_rows(self) -> bool:
+        """Rows attended one by one (``row_attention``): AR steps and tree nodes."""
+        return self.n == 1 or self.ancestors is not None
 
 
-_SEGMENTS: contextvars.ContextVar[tuple[Segment, ...] | None] = contextvars.ContextVar(
-    "presto_segments", default=None
-)
+@dataclass(frozen=True)
+class _RowGroup:
+    """Decode rows of one page and one key width, attended in one batched call.
+
+    ``positions`` None: each row reads its slot's first ``width`` keys in place (AR steps);
+    else ``[R, width]``, the key positions in one session's slot (a tree node: the committed prefix,
+    then its ancestors; then position 0, masked, up to the width).
+    """
+
+    page: KVPage
+    rows: torch.Tensor  # query indices in the packed sequence [R]
+    slots: torch.Tensor  # [R]
+    lengths: torch.Tensor  # visible keys per row [R]
+    width: int
+    positions: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a packed forward's attention does at every layer, worked out once."""
+
+    segments: tuple[Segment, ...]
+    steps: dict[int, list[Segment]]  # AR steps by page: their new entries written in one call
+    groups: tuple[_RowGroup, ...]
+
+
+_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("presto_plan", default=None)
+
+
+def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
+    steps: dict[int, list[Segment]] = {}
+    # (page, width, gathered from slot or -1) -> rows as (query row, slot, length, new keys seen)
+    by_key: dict[tuple[int, int, int], list[tuple[int, int, int, tuple[int, ...]]]] = {}
+    pages: dict[int, KVPage] = {}
+    for s in segments:
+        if not s.decode_rows:
+            continue
+        page, length = s.kv.page, s.kv.length
+        pages[id(page)] = page
+        if s.ancestors is None:  # an AR step: its key is written at ``length``, read in place
+            steps.setdefault(id(page), []).append(s)
+            width = key_width(length + 1)
+            gather = s.kv.slot if width > page.capacity else -1
+            by_key.setdefault((id(page), width, gather), []).append((s.start, s.kv.slot, length, (0,)))
+            continue
+        for i, path in enumerate(s.ancestors):  # a tree node: its keys gathered
+            by_key.setdefault((id(page), key_width(length + len(path)), s.kv.slot), []).append(
+                (s.start + i, s.kv.slot, length, path))
+    groups = []
+    for (page_id, width, gather), rows in by_key.items():
+        lengths = [length + len(new) for _, _, length, new in rows]
+        positions = None
+        if gather >= 0:  # the committed prefix, then the row's new keys, then 0s (masked)
+            positions = torch.arange(width).repeat(len(rows), 1)
+            for r, (_, _, length, new) in enumerate(rows):
+                positions[r, length : length + len(new)] = length + torch.tensor(new)
+                positions[r, length + len(new) :] = 0
+            positions = positions.to(device)
+        groups.append(_RowGroup(
+            pages[page_id], torch.tensor([r[0] for r in rows], device=device),
+            torch.tensor([r[1] for r in rows], device=device), torch.tensor(lengths, device=device),
+            width, positions))
+    return _Plan(tuple(segments), steps, tuple(groups))
 
 
 @contextlib.contextmanager
 def packed_forward(model: PreTrainedModel, segments: Sequence[Segment]) -> Iterator[None]:
-    """Inside: the model's forward over the packed tokens attends per segment."""
+    """Inside: the model's forward over the packed tokens attends per segment, and its
+    linear layers run row-invariant (``invariant.py``; ``install_invariant_linears``)."""
     for s in segments:
         s.kv.reserve(s.kv.length + s.n)
     configs = _attention_configs(model)
     saved = [c._attn_implementation for c in configs]
-    token = _SEGMENTS.set(tuple(segments))
+    token = _PLAN.set(_plan(segments, model.device))
     try:
         for c in configs:
             c._attn_implementation = ATTENTION
-        yield
+        with invariant_rows():
+            yield
     finally:
         for c, impl in zip(configs, saved):
             c._attn_implementation = impl
-        _SEGMENTS.reset(token)
+        _PLAN.reset(token)
 
 
 def _attention_configs(model: PreTrainedModel) -> list:
@@ -286,55 +357,62 @@ def _session_attention(
 ) -> tuple[torch.Tensor, None]:
     """query/key/value [1, heads, N, head_dim] of the packed tokens -> [1, N, heads, head_dim].
 
-    AR steps of sessions that share a page attend in one call (``_page_attention``); a
-    tree, a prompt chunk, or a session alone on its page, by itself.
+    Every segment's new entries go into its slot first. A prompt chunk then attends by
+    itself (transformers' sdpa, causal); decode rows (AR steps, tree nodes) attend one
+    row each, in groups (``row_attention``), so a row's result is the same whatever
+    shares the forward.
     """
-    segments = _SEGMENTS.get()
-    if segments is None:
+    plan = _PLAN.get()
+    if plan is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside packed_forward()")
     layer = module.layer_idx
-    steps: dict[int, list[Segment]] = {}
-    for s in segments:
-        if s.n == 1 and s.mask is None and s.kv.page.shared:
-            steps.setdefault(id(s.kv.page), []).append(s)
-    grouped = {id(s) for group in steps.values() if len(group) > 1 for s in group}
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-    for s in segments:
-        if id(s) in grouped:
+    out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
+    for group in plan.steps.values():  # AR steps: one write per page
+        page = group[0].kv.page
+        rows = torch.tensor([s.start for s in group], device=query.device)
+        slots = torch.tensor([s.kv.slot for s in group], device=query.device)
+        lengths = torch.tensor([s.kv.length for s in group], device=query.device)
+        page.keys[layer][slots, :, lengths] = key[0, :, rows].transpose(0, 1)
+        page.values[layer][slots, :, lengths] = value[0, :, rows].transpose(0, 1)
+    for s in plan.segments:
+        if s.ancestors is None and s.n == 1:
             continue
-        q = query[:, :, s.start : s.start + s.n]
-        k, v = s.kv.write(layer, key[:, :, s.start : s.start + s.n], value[:, :, s.start : s.start + s.n])
-        mask = s.mask
-        if mask is None and s.n > 1 and s.kv.length > 0:  # a chunk after a prefix: causal, aligned right
-            mask = _causal_mask(s.kv.length, s.n, query.dtype, query.device)
-        out[:, s.start : s.start + s.n], _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)
-    for group in steps.values():
-        if len(group) > 1:
-            _page_attention(module, layer, group, query, key, value, out, kwargs.get("scaling"))
+        new = slice(s.start, s.start + s.n)
+        k, v = s.kv.write(layer, key[:, :, new], value[:, :, new])
+        if not s.decode_rows:
+            mask = None
+            if s.kv.length > 0:  # a chunk after a prefix: causal, aligned right
+                mask = _causal_mask(s.kv.length, s.n, query.dtype, query.device)
+            out[:, new], _ = sdpa_attention_forward(module, query[:, :, new], k, v, mask, **kwargs)
+    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    for g in plan.groups:
+        _group_attention(layer, g, query, out, scaling)
     return out, None
 
 
-def _page_attention(module: torch.nn.Module, layer: int, group: list[Segment], query: torch.Tensor,
-                    key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scaling: float | None) -> None:
-    """One AR token each of sessions on one page: their new entries written into their
-    slots, then one attention over the page's slots in place (rows of free slots in the
-    range attend to position 0 alone and are dropped)."""
-    page = group[0].kv.page
-    rows = torch.tensor([s.start for s in group], device=query.device)
-    slots = torch.tensor([s.kv.slot for s in group], device=query.device)
-    lengths = torch.tensor([s.kv.length for s in group], device=query.device)
-    page.keys[layer][slots, :, lengths] = key[0, :, rows].transpose(0, 1)
-    page.values[layer][slots, :, lengths] = value[0, :, rows].transpose(0, 1)
-    lo, hi, width = int(slots.min()), int(slots.max()) + 1, int(lengths.max()) + 1
-    q = query.new_zeros(hi - lo, query.shape[1], 1, query.shape[3])
-    q[slots - lo, :, 0] = query[0, :, rows].transpose(0, 1)
-    seen = torch.zeros(hi - lo, dtype=torch.long, device=query.device)
-    seen[slots - lo] = lengths
-    mask = torch.arange(width, device=query.device)[None] <= seen[:, None]
-    k, v = page.keys[layer][lo:hi, :, :width], page.values[layer][lo:hi, :, :width]
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None, None], scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
-    out[0, rows] = attn[slots - lo, :, 0]
+def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.Tensor,
+                     scaling: float) -> None:
+    """One row group's attention, into its rows of ``out``."""
+    page = g.page
+    kv_heads, head_dim = page.shape
+    q = query[0, :, g.rows].transpose(0, 1)  # [R, heads, head_dim]
+    q = q.reshape(len(g.rows), kv_heads, -1, head_dim)
+    if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]
+        slot = int(g.slots[0])
+        index = g.positions.flatten()
+        k = page.keys[layer][slot].index_select(1, index).view(kv_heads, len(g.rows), g.width, head_dim)
+        v = page.values[layer][slot].index_select(1, index).view(kv_heads, len(g.rows), g.width, head_dim)
+        attn = row_attention(q.transpose(0, 1), k, v, g.lengths[None], scaling).transpose(0, 1)
+    else:  # in place over the slots' range (rows of slots not in the group are dropped)
+        lo, hi = int(g.slots.min()), int(g.slots.max()) + 1
+        qs = q.new_zeros(hi - lo, *q.shape[1:])
+        qs[g.slots - lo] = q
+        lengths = torch.ones(hi - lo, dtype=torch.long, device=q.device)
+        lengths[g.slots - lo] = g.lengths
+        k = page.keys[layer][lo:hi, :, : g.width]
+        v = page.values[layer][lo:hi, :, : g.width]
+        attn = row_attention(qs, k, v, lengths[:, None], scaling)[g.slots - lo]
+    out[0, g.rows] = attn.reshape(len(g.rows), -1, head_dim)
 
 
 AttentionInterface.register(ATTENTION, _session_attention)

@@ -1,7 +1,7 @@
 """``presto-sd bench``: every drafting method side by side with AR and a peer, on the machine at hand.
 
     presto-sd bench --datasets gsm8k,humaneval,mtbench --n 10 --max-new-tokens 128 \\
-        --methods ar,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first \\
+        --methods ar,hf-generate,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first \\
         --budgets 8,16,32,64 --out runs/bench
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from presto_sd.app.flags import add_model_args, add_sampling_args, add_tree_args, csv
 
 DEFAULT_DATASETS = "gsm8k,humaneval,mtbench"
-DEFAULT_METHODS = "ar,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first,taps"
+DEFAULT_METHODS = "ar,hf-generate,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first,taps"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offline tau replay (greedy): one recorded AR pass per prompt stands in for the "
                         "target, so every builder and budget costs only its drafting; writes "
                         "DIR/replay.json (tau per method and budget, the drafter's recall@K per depth "
-                        "and the oracle accepted length over its top-K). taps and hf-prompt-lookup "
+                        "and the oracle accepted length over its top-K). taps and the hf-* peers "
                         "are skipped: their rounds follow measured time")
     w.add_argument("--recordings", default=None,
                    help="replay: a file of recorded AR passes to reuse or create "

@@ -1,8 +1,10 @@
-"""The peer: transformers' own prompt-lookup decoding on the same target model object.
+"""The peers: transformers' own ``generate`` on the same target model object, plain
+(``hf-generate``: the decoding a user would otherwise call, in the same dtype) and with
+prompt lookup (``hf-prompt-lookup``).
 
 ``model.generate(..., prompt_lookup_num_tokens=K)`` drafts up to ``K`` tokens by matching
 the last n-gram against the context and verifies them in one forward: the speculative
-decoder a CPU user can pick today with no drafter at all. It is timed like the engine's
+decoder a CPU user can pick today with no drafter at all. Both are timed like the engine's
 methods (wall time of the whole call, prefill included), and its rounds are read from
 outside without touching transformers' loop:
 
@@ -74,13 +76,13 @@ class _ForwardTimer:
             h.remove()
 
 
-def _generation_config(ctx: BenchContext, params: GenerationParams) -> GenerationConfig:
+def _generation_config(ctx: BenchContext, params: GenerationParams, lookup: bool) -> GenerationConfig:
     s = params.sampling
     eos = list(params.stop_token_ids) or None
     sample = s.temperature > 0
     return GenerationConfig(
         max_new_tokens=params.max_new_tokens,
-        prompt_lookup_num_tokens=ctx.lookup_tokens,
+        prompt_lookup_num_tokens=ctx.lookup_tokens if lookup else None,
         do_sample=sample,
         temperature=s.temperature if sample else None,
         top_p=s.top_p if sample and s.top_p < 1.0 else None,
@@ -98,10 +100,20 @@ def _describe(ctx: BenchContext, params: GenerationParams) -> dict:
 def run_hf_prompt_lookup(
     ctx: BenchContext, prompt_ids: list[int], params: GenerationParams
 ) -> GenerationResult:
+    return _run_hf(ctx, prompt_ids, params, lookup=True)
+
+
+@register_method("hf-generate", budgeted=False, describe=lambda ctx, params: {})
+def run_hf_generate(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
+    return _run_hf(ctx, prompt_ids, params, lookup=False)
+
+
+def _run_hf(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams,
+            lookup: bool) -> GenerationResult:
     model = getattr(ctx.verifier, "model", None)
     if model is None:
-        raise ValueError("hf-prompt-lookup needs an in-process transformers target (HFVerifier)")
-    config = _generation_config(ctx, params)
+        raise ValueError("the hf-* peers need an in-process transformers target (HFVerifier)")
+    config = _generation_config(ctx, params, lookup)
     ids = torch.tensor([prompt_ids], device=model.device)
     streamer = _RoundStreamer()
     if params.sampling.temperature > 0 and params.sampling.seed is not None:

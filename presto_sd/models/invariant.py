@@ -1,0 +1,175 @@
+"""Row-invariant kernels: a token row's result does not depend on the rows beside it.
+
+Greedy speculative output is bitwise AR's only if a tree node's row, computed inside an
+N-row verify forward, equals the AR step that computes the same token alone. Library
+kernels do not promise that: on a CPU, MKL's fp32 GEMM rounds a row differently for 1,
+2-3 and 4+ rows, and bf16's 1536->576 projection differs between 1 row and 2+. So the
+verifier's forward runs every op that mixes rows through a kernel whose per-row result
+is fixed by the row alone (``tests/test_invariance.py`` holds each one, on the target's
+shapes):
+
+- ``invariant_linear``: a lone row padded to two, through the first kernel whose rows
+  agree in every call of >= 2 rows at that shape, found by probing it (``rows_agree``):
+  ATen's for bf16 here, oneDNN's for fp32. None found: the verifier says so
+  (``VerifierInfo.row_invariant``) and bf16 is not the CPU default.
+- ``row_attention``: each query row attends over its own keys, as one element of a
+  batched matmul whose shapes depend only on that row: keys ``[W, head_dim]`` with
+  ``W = key_width(L)`` (the row's ``L`` visible keys rounded up to ``KEY_BLOCK``), the
+  rest masked. A tree node reads its keys gathered (committed prefix, then its own
+  ancestors): the same values at the same offsets as the AR step at its position, which
+  reads them contiguous in place.
+
+RMSNorm, RoPE, the residual adds and the MLP's elementwise ops are per-row already.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 64  # a row attends over a multiple of this many keys; KV capacities are multiples of it
+
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("presto_invariant_rows", default=False)
+
+
+def _aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+# candidates, fastest first where both are invariant (bf16 here: ATen's is ~2x oneDNN's,
+# whose weights are re-laid out every call); fp32: MKL's rows differ at M = 1, 2-3, 4+
+LINEAR_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"aten": _aten, "onednn": _onednn}
+PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)  # call sizes whose rows must agree
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     kernel: str = "aten") -> torch.Tensor:
+    """``kernel``'s linear with every row computed as in any call of >= 2 rows (a lone row
+    is computed as one of two: one row is a matrix-vector product on every backend)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 1:
+        rows = torch.cat([rows, rows])
+    out = LINEAR_KERNELS[kernel](rows, weight, bias)
+    return out[:m].reshape(*lead, out.shape[-1])
+
+
+def rows_agree(kernel: str, in_features: int, out_features: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> bool:
+    """Does every row of ``kernel``'s linear come out the same in every call size of
+    ``PROBE_ROWS``, and alone? (Random data: a kernel that rounds by call size shows it.)"""
+    cpu = torch.device(device).type == "cpu"
+    if kernel == "onednn" and not (cpu and dtype in (torch.float32, torch.bfloat16)
+                                   and torch.backends.mkldnn.is_available()):
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(device, dtype)
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=g).to(device, dtype)
+    with torch.inference_mode():
+        ref = invariant_linear(x, w, kernel=kernel)
+        return (all(torch.equal(invariant_linear(x[:m], w, kernel=kernel), ref[:m]) for m in PROBE_ROWS)
+                and all(torch.equal(invariant_linear(x[i], w, kernel=kernel), ref[i]) for i in range(4)))
+
+
+@functools.cache
+def pick_linear_kernel(in_features: int, out_features: int, dtype: torch.dtype,
+                       device: str = "cpu") -> str | None:
+    """The first of ``LINEAR_KERNELS`` whose rows agree at this shape, or None."""
+    return next((k for k in LINEAR_KERNELS if rows_agree(k, in_features, out_features, dtype, device)), None)
+
+
+class InvariantLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that runs ``invariant_linear`` with its ``kernel`` inside
+    ``invariant_rows()`` and is a plain ``nn.Linear`` outside (the model stays stock for
+    anyone else, transformers' ``generate`` included)."""
+
+    kernel: str = "aten"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _ACTIVE.get():
+            return invariant_linear(x, self.weight, self.bias, self.kernel)
+        return F.linear(x, self.weight, self.bias)
+
+
+def install_invariant_linears(module: torch.nn.Module) -> bool:
+    """Turn every ``nn.Linear`` under ``module`` into an ``InvariantLinear`` with the kernel
+    ``pick_linear_kernel`` finds for its shape (in place: the weights stay where they
+    are). True when every one has a row-invariant kernel here."""
+    ok = True
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            kernel = pick_linear_kernel(m.in_features, m.out_features, m.weight.dtype, m.weight.device.type)
+            m.__class__ = InvariantLinear
+            m.kernel = kernel or "aten"
+            ok &= kernel is not None
+    return ok
+
+
+@contextlib.contextmanager
+def invariant_rows() -> Iterator[None]:
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def linear_shapes(config) -> list[tuple[int, int]]:
+    """(in, out) of a Llama-family decoder's linears and its lm_head, from its config."""
+    c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    h, i = c.hidden_size, c.intermediate_size
+    return sorted({(h, heads * head_dim), (h, kv_heads * head_dim), (heads * head_dim, h),
+                   (h, i), (i, h), (h, c.vocab_size)})
+
+
+def native_bf16() -> bool:
+    """Does this CPU do bf16 arithmetic natively (AVX512-BF16 or AMX)? Elsewhere bf16 is
+    emulated, 3-5x slower than fp32 (measured on AVX2 machines: docs/benchmarks.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def invariant_kernels_for(config, dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Has every linear of a model of this config a row-invariant kernel here, in ``dtype``?"""
+    return all(pick_linear_kernel(i, o, dtype, device) is not None for i, o in linear_shapes(config))
+
+
+def key_width(length: int) -> int:
+    """The key width a row with ``length`` visible keys attends over."""
+    return -(-length // KEY_BLOCK) * KEY_BLOCK
+
+
+def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  lengths: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Per-row attention: query ``[A, B, group, head_dim]`` (a row's query heads grouped by
+    the KV head they share; rows and KV heads as the two batch dims, either order), keys /
+    values ``[A, B, W, head_dim]``; ``lengths`` ``[A, B]`` (broadcast): the keys each row
+    sees, ``[0, length)``. Returns ``[A, B, group, head_dim]``: one ``[group, W]`` matmul
+    per row and KV head, whatever the batch.
+
+    Scores in the model dtype, softmax in fp32 (transformers' eager attention). The
+    masked keys get weight exactly 0; they must hold finite values (0 * NaN is NaN).
+    """
+    width = keys.shape[2]
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
+    hidden = torch.arange(width, device=query.device) >= lengths[..., None]
+    scores = scores.masked_fill(hidden[..., None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values)

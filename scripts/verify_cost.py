@@ -1,0 +1,66 @@
+"""What the engine's verify costs against the tree size: the row-invariant forward, timed.
+
+    .venv/bin/python scripts/verify_cost.py [--dtype bfloat16] [--context 200] [--threads 2]
+        [--sizes 1,2,4,8,16,32] [--reps 15] [--shape 4-ary|chain]
+
+Opens one ``HFVerifier`` session on a ``--context``-token prompt and times ``verify`` (the
+decoder, the walk's lm_head rows, the KV compaction: all an AR step or a tree costs the
+verifier) on trees of each size, the sizes interleaved within every repetition so a
+machine that drifts moves them all alike. Size 1 is a plain AR step. Prints per size the
+median ms (the first 2 repetitions dropped) and its ratio to the AR step. The trees'
+tokens are arbitrary (cost does not depend on them), so each round commits a token or
+two and the context grows by ~``reps * len(sizes)`` over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from presto_sd.embedded.cost_calibration import calibration_tree
+from presto_sd.embedded.stack import drafter_assets, verifier_engine
+from presto_sd.method.tree import TokenTree
+from presto_sd.models.loading import load_target, parse_dtype
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--context", type=int, default=200)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sizes", default="1,2,4,8,16,32")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--shape", choices=("4-ary", "chain"), default="4-ary")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_target(None, device=torch.device("cpu"), dtype=parse_dtype(args.dtype))
+    verifier = verifier_engine(model, tok, None, drafter_assets(None, None))
+    sizes = [int(x) for x in args.sizes.split(",")]
+    pre = verifier.prefill("cost", [1 + i % 40000 for i in range(args.context)])
+    base, anchor = pre.base, pre.anchor
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(args.reps):
+        for n in sizes:
+            if args.shape == "chain":
+                tokens = [anchor, *(7 * i + 3 for i in range(1, n))]
+                tree = TokenTree.from_lists(tokens, list(range(-1, n - 1)))
+            else:
+                tree = calibration_tree(anchor, n, verifier.vocab_size, 8)
+            t0 = time.perf_counter()
+            res = verifier.verify("cost", base, tree)
+            times[n].append(1000 * (time.perf_counter() - t0))
+            base, anchor = res.base, res.bonus
+    med = {n: statistics.median(t[2:]) for n, t in times.items()}
+    step = med.get(1)
+    print(f"dtype={model.dtype} context={args.context} threads={args.threads} shape={args.shape} "
+          f"row_invariant={verifier.row_invariant}")
+    for n in sizes:
+        ratio = f"  {med[n] / step:.2f}x the AR step" if step else ""
+        print(f"  {n:3d} nodes: {med[n]:6.1f} ms{ratio}")
+
+
+if __name__ == "__main__":
+    main()
