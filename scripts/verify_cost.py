@@ -56,7 +56,7 @@ def main() -> None:
     med = {n: statistics.median(t[2:]) for n, t in times.items()}
     step = med.get(1)
     print(f"dtype={model.dtype} context={args.context} threads={args.threads} shape={args.shape} "
-          f"row_invariant={verifier.row_invariant}")
+          f"row_invariant={getattr(verifier, 'row_invariant', None)}")
     for n in sizes:
         ratio = f"  {med[n] / step:.2f}x the AR step" if step else ""
         print(f"  {n:3d} nodes: {med[n]:6.1f} ms{ratio}")

@@ -92,18 +92,19 @@ def test_row_attention_rows_agree_in_every_batch_and_layout(dtype, context):
     page = torch.randn(slots, kv_heads, max(256, width), 64, dtype=dtype)
     q = torch.randn(slots, kv_heads, group, 64, dtype=dtype)
     lengths = torch.tensor([max(1, context - i) for i in range(slots)])
+    hidden = torch.arange(width)[None] >= lengths[:, None]
     scale = 64**-0.5
 
     def in_place(rows: slice) -> torch.Tensor:
         k = page[rows, :, :width]
-        return row_attention(q[rows], k, k, lengths[rows, None], scale)
+        return row_attention(q[rows], k, k, hidden[rows, None], scale)
 
     with torch.inference_mode():
         alone = torch.cat([in_place(slice(i, i + 1)) for i in range(slots)])
         for r in (2, 3, 5, 8):
             assert torch.equal(in_place(slice(0, r)), alone[:r]), r
         gathered = page[:, :, :width].transpose(0, 1).contiguous()  # [kv_heads, slots, width, 64]
-        by_head = row_attention(q.transpose(0, 1), gathered, gathered, lengths[None], scale)
+        by_head = row_attention(q.transpose(0, 1), gathered, gathered, hidden[None], scale)
         assert torch.equal(by_head.transpose(0, 1), alone)
 
 
@@ -250,3 +251,28 @@ def test_smollm2_every_method_is_bitwise_the_engines_ar(dtype):
         ar = run("ar", 1)
         for method, budget in methods:
             assert run(method, budget) == ar, (text, method)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("dtype", dtypes_here())
+def test_smollm2_a_branching_trees_rows_are_bitwise_the_ar_steps(dtype):
+    """The real target: the AR continuation hidden among decoys in a branching tree; every
+    node on it computes exactly the AR step's final hidden row (so its logits, bitwise)."""
+    from presto_sd.app.generate import encode_prompt
+    from presto_sd.embedded.stack import drafter_assets, verifier_engine
+    from presto_sd.models.loading import load_target
+
+    model, tok = load_target(None, device=torch.device("cpu"), dtype=dtype)
+    v = verifier_engine(model, tok, None, drafter_assets(None, None))
+    assert v.row_invariant and v.info().row_invariant
+    prompt = encode_prompt(tok, "List three facts about the Moon.", chat=True)
+    a, ar_rows = ar_steps(v, prompt, 6)
+    decoy = [(t + 1) % v.vocab_size for t in a]
+    tree_tokens = [a[0], decoy[1], a[1], decoy[2], a[2], a[3], decoy[3], a[4], decoy[5], a[5]]
+    parents = [-1, 0, 0, 2, 2, 4, 4, 5, 7, 7]
+    seen = recording(v)
+    pre = v.prefill("s", prompt)
+    res = v.verify("s", pre.base, TokenTree.from_lists(tree_tokens, parents))
+    assert res.accepted_nodes == (0, 2, 4, 5, 7, 9)
+    for depth, node in enumerate(res.accepted_nodes):
+        assert torch.equal(seen[1][node], ar_rows[depth]), (depth, node)

@@ -158,7 +158,7 @@ def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:
     return pb.VerifierInfo(
         model=i.model, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
         eos_token_ids=i.eos_token_ids, target_layer_ids=i.target_layer_ids, limits=limits,
-        cost=cost_to_pb(i.cost), memory=memory_to_pb(i.memory),
+        cost=cost_to_pb(i.cost), memory=memory_to_pb(i.memory), row_invariant=i.row_invariant,
     )
 
 
@@ -170,4 +170,5 @@ def info_from_pb(msg: pb.VerifierInfo) -> VerifierInfo:
         eos_token_ids=tuple(msg.eos_token_ids), target_layer_ids=tuple(msg.target_layer_ids),
         limits=VerifierLimits(lim.max_sessions, lim.max_context, tree),
         cost=cost_from_pb(msg.cost) if msg.HasField("cost") else None, memory=memory_from_pb(msg.memory),
+        row_invariant=msg.row_invariant,
     )

@@ -135,6 +135,7 @@ class HFVerifier(Verifier):
             limits=self.limits,
             cost=self.forward_costs.fit,
             memory=self.sessions.memory(),
+            row_invariant=self.row_invariant,
         )
 
     def calibrate_cost(self) -> CostFit:

@@ -38,6 +38,7 @@ class VerifierInfo:
     limits: VerifierLimits = field(default_factory=VerifierLimits)
     cost: CostFit | None = None  # forward seconds vs tree size and context, fit online
     memory: KVMemory = field(default_factory=KVMemory, compare=False)  # live: KV bytes in use, budget
+    row_invariant: bool = False  # each row computed as alone: greedy output bitwise its own AR's
 
 
 @dataclass(frozen=True)

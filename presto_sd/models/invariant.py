@@ -53,8 +53,10 @@ PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)  # call sizes whose rows must
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      kernel: str = "aten") -> torch.Tensor:
-    """``kernel``'s linear with every row computed as in any call of >= 2 rows (a lone row
-    is computed as one of two: one row is a matrix-vector product on every backend)."""
+    """``kernel``'s linear with every row computed as in any call of >= 2 rows: a lone row
+    is computed as one of two. (One row is a matrix-vector product on every backend,
+    rounded its own way: bf16's 1536->576 projection here gives a lone row that differs
+    in ~1 of 6 random rows, so "alone agrees" cannot be probed reliably; it is not tried.)"""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -78,7 +80,7 @@ def rows_agree(kernel: str, in_features: int, out_features: int, dtype: torch.dt
     with torch.inference_mode():
         ref = invariant_linear(x, w, kernel=kernel)
         return (all(torch.equal(invariant_linear(x[:m], w, kernel=kernel), ref[:m]) for m in PROBE_ROWS)
-                and all(torch.equal(invariant_linear(x[i], w, kernel=kernel), ref[i]) for i in range(4)))
+                and all(torch.equal(invariant_linear(x[i], w, kernel=kernel), ref[i]) for i in range(8)))
 
 
 @functools.cache
@@ -157,19 +159,17 @@ def key_width(length: int) -> int:
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  lengths: torch.Tensor, scaling: float) -> torch.Tensor:
+                  hidden: torch.Tensor, scaling: float) -> torch.Tensor:
     """Per-row attention: query ``[A, B, group, head_dim]`` (a row's query heads grouped by
     the KV head they share; rows and KV heads as the two batch dims, either order), keys /
-    values ``[A, B, W, head_dim]``; ``lengths`` ``[A, B]`` (broadcast): the keys each row
-    sees, ``[0, length)``. Returns ``[A, B, group, head_dim]``: one ``[group, W]`` matmul
-    per row and KV head, whatever the batch.
+    values ``[A, B, W, head_dim]``; ``hidden`` ``[A, B, W]`` (broadcast): True for the keys
+    a row does not see. Returns ``[A, B, group, head_dim]``: one ``[group, W]`` matmul per
+    row and KV head, whatever the batch.
 
     Scores in the model dtype, softmax in fp32 (transformers' eager attention). The
     masked keys get weight exactly 0; they must hold finite values (0 * NaN is NaN).
     """
-    width = keys.shape[2]
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
-    hidden = torch.arange(width, device=query.device) >= lengths[..., None]
     scores = scores.masked_fill(hidden[..., None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values)

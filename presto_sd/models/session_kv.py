@@ -255,25 +255,41 @@ class Segment:
 class _RowGroup:
     """Decode rows of one page and one key width, attended in one batched call.
 
-    ``positions`` None: each row reads its slot's first ``width`` keys in place (AR steps);
-    else ``[R, width]``, the key positions in one session's slot (a tree node: the committed prefix,
-    then its ancestors; then position 0, masked, up to the width).
+    ``positions`` None: the rows are AR steps reading their slots' first ``width`` keys in
+    place, over the slot range ``lo:hi`` (``at``: each row's slot - lo; slots in the range
+    that are not the group's attend to key 0 and are dropped). Else one session's tree
+    nodes, ``positions [R, width]`` the key positions in its slot (the committed prefix,
+    then the node's ancestors, then 0s, masked). ``hidden`` masks each attending row's
+    keys past its own (``[R or hi - lo, width]``): worked out once for every layer.
     """
 
     page: KVPage
     rows: torch.Tensor  # query indices in the packed sequence [R]
-    slots: torch.Tensor  # [R]
-    lengths: torch.Tensor  # visible keys per row [R]
     width: int
+    hidden: torch.Tensor
     positions: torch.Tensor | None = None
+    slot: int = 0  # gathered: the session's slot
+    lo: int = 0
+    hi: int = 0
+    at: torch.Tensor | None = None  # in place: None when the rows fill lo:hi in order
+
+
+@dataclass(frozen=True)
+class _Writes:
+    """AR steps of one page: their new K/V entries, written in one call per layer."""
+
+    page: KVPage
+    rows: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What a packed forward's attention does at every layer, worked out once."""
 
-    segments: tuple[Segment, ...]
-    steps: dict[int, list[Segment]]  # AR steps by page: their new entries written in one call
+    segments: tuple[Segment, ...]  # prompt chunks and trees (AR steps are in ``writes``)
+    writes: tuple[_Writes, ...]
     groups: tuple[_RowGroup, ...]
 
 
@@ -299,21 +315,35 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
         for i, path in enumerate(s.ancestors):  # a tree node: its keys gathered
             by_key.setdefault((id(page), key_width(length + len(path)), s.kv.slot), []).append(
                 (s.start + i, s.kv.slot, length, path))
+
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, device=device)
+
     groups = []
     for (page_id, width, gather), rows in by_key.items():
-        lengths = [length + len(new) for _, _, length, new in rows]
-        positions = None
+        seen = torch.tensor([length + len(new) for _, _, length, new in rows])
+        queries = tensor([r[0] for r in rows])
         if gather >= 0:  # the committed prefix, then the row's new keys, then 0s (masked)
             positions = torch.arange(width).repeat(len(rows), 1)
             for r, (_, _, length, new) in enumerate(rows):
                 positions[r, length : length + len(new)] = length + torch.tensor(new)
                 positions[r, length + len(new) :] = 0
-            positions = positions.to(device)
-        groups.append(_RowGroup(
-            pages[page_id], torch.tensor([r[0] for r in rows], device=device),
-            torch.tensor([r[1] for r in rows], device=device), torch.tensor(lengths, device=device),
-            width, positions))
-    return _Plan(tuple(segments), steps, tuple(groups))
+            hidden = torch.arange(width)[None] >= seen[:, None]
+            groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device),
+                                    positions.to(device), slot=gather))
+            continue
+        slots = [r[1] for r in rows]
+        lo, hi = min(slots), max(slots) + 1
+        seen_all = torch.ones(hi - lo, dtype=torch.long)  # a slot outside the group: key 0 only
+        seen_all[torch.tensor(slots) - lo] = seen
+        at = None if slots == list(range(lo, hi)) else tensor([x - lo for x in slots])
+        hidden = torch.arange(width)[None] >= seen_all[:, None]
+        groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device), lo=lo, hi=hi, at=at))
+    writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
+                           tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
+                   for group in steps.values())
+    rest = tuple(s for s in segments if not (s.ancestors is None and s.n == 1))
+    return _Plan(rest, writes, tuple(groups))
 
 
 @contextlib.contextmanager
@@ -336,13 +366,19 @@ def packed_forward(model: PreTrainedModel, segments: Sequence[Segment]) -> Itera
         _PLAN.reset(token)
 
 
+_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its attention configs
+
+
 def _attention_configs(model: PreTrainedModel) -> list:
-    seen: dict[int, object] = {}
-    for m in model.modules():
-        c = getattr(m, "config", None)
-        if c is not None and hasattr(c, "_attn_implementation"):
-            seen.setdefault(id(c), c)
-    return list(seen.values())
+    """The configs whose ``_attn_implementation`` a forward reads (walked once per model)."""
+    if model not in _CONFIGS:
+        seen: dict[int, object] = {}
+        for m in model.modules():
+            c = getattr(m, "config", None)
+            if c is not None and hasattr(c, "_attn_implementation"):
+                seen.setdefault(id(c), c)
+        _CONFIGS[model] = list(seen.values())
+    return _CONFIGS[model]
 
 
 def _causal_mask(past: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -367,16 +403,10 @@ def _session_attention(
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside packed_forward()")
     layer = module.layer_idx
     out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-    for group in plan.steps.values():  # AR steps: one write per page
-        page = group[0].kv.page
-        rows = torch.tensor([s.start for s in group], device=query.device)
-        slots = torch.tensor([s.kv.slot for s in group], device=query.device)
-        lengths = torch.tensor([s.kv.length for s in group], device=query.device)
-        page.keys[layer][slots, :, lengths] = key[0, :, rows].transpose(0, 1)
-        page.values[layer][slots, :, lengths] = value[0, :, rows].transpose(0, 1)
+    for w in plan.writes:  # AR steps: one write per page
+        w.page.keys[layer][w.slots, :, w.lengths] = key[0, :, w.rows].transpose(0, 1)
+        w.page.values[layer][w.slots, :, w.lengths] = value[0, :, w.rows].transpose(0, 1)
     for s in plan.segments:
-        if s.ancestors is None and s.n == 1:
-            continue
         new = slice(s.start, s.start + s.n)
         k, v = s.kv.write(layer, key[:, :, new], value[:, :, new])
         if not s.decode_rows:
@@ -395,24 +425,23 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
     """One row group's attention, into its rows of ``out``."""
     page = g.page
     kv_heads, head_dim = page.shape
-    q = query[0, :, g.rows].transpose(0, 1)  # [R, heads, head_dim]
-    q = q.reshape(len(g.rows), kv_heads, -1, head_dim)
+    n = len(g.rows)
+    q = query[0, :, g.rows].transpose(0, 1).reshape(n, kv_heads, -1, head_dim)  # [R, kv, group, hd]
     if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]
-        slot = int(g.slots[0])
         index = g.positions.flatten()
-        k = page.keys[layer][slot].index_select(1, index).view(kv_heads, len(g.rows), g.width, head_dim)
-        v = page.values[layer][slot].index_select(1, index).view(kv_heads, len(g.rows), g.width, head_dim)
-        attn = row_attention(q.transpose(0, 1), k, v, g.lengths[None], scaling).transpose(0, 1)
-    else:  # in place over the slots' range (rows of slots not in the group are dropped)
-        lo, hi = int(g.slots.min()), int(g.slots.max()) + 1
-        qs = q.new_zeros(hi - lo, *q.shape[1:])
-        qs[g.slots - lo] = q
-        lengths = torch.ones(hi - lo, dtype=torch.long, device=q.device)
-        lengths[g.slots - lo] = g.lengths
-        k = page.keys[layer][lo:hi, :, : g.width]
-        v = page.values[layer][lo:hi, :, : g.width]
-        attn = row_attention(qs, k, v, lengths[:, None], scaling)[g.slots - lo]
-    out[0, g.rows] = attn.reshape(len(g.rows), -1, head_dim)
+        k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
+        v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
+        attn = row_attention(q.transpose(0, 1), k, v, g.hidden[None], scaling).transpose(0, 1)
+    else:  # in place over the slots' range
+        if g.at is not None:
+            q, qs = q.new_zeros(g.hi - g.lo, *q.shape[1:]), q
+            q[g.at] = qs
+        k = page.keys[layer][g.lo : g.hi, :, : g.width]
+        v = page.values[layer][g.lo : g.hi, :, : g.width]
+        attn = row_attention(q, k, v, g.hidden[:, None], scaling)
+        if g.at is not None:
+            attn = attn[g.at]
+    out[0, g.rows] = attn.reshape(n, -1, head_dim)
 
 
 AttentionInterface.register(ATTENTION, _session_attention)
