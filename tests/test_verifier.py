@@ -16,7 +16,7 @@ from presto_sd.engine.messages import (
 )
 from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.tree import TokenTree
-from presto_sd.models.session_kv import Segment
+from presto_sd.models.packed import Segment
 from tests.conftest import hf_greedy
 
 PROMPT = [0, 3, 5, 7, 2, 9, 4]

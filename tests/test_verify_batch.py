@@ -27,8 +27,9 @@ from presto_sd.engine.verifier import PrefillCall, PrefillResult, VerifierLimits
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree, TreeLimits
-from presto_sd.models import session_kv
-from presto_sd.models.session_kv import KVStore, Segment, SessionKV, packed_forward
+from presto_sd.models import packed
+from presto_sd.models.packed import Segment, packed_forward
+from presto_sd.models.session_kv import KVStore, SessionKV
 from tests.conftest import hf_greedy, make_engines
 from tests.rpc_util import LocalServer
 from verifier_service.remote import RemoteVerifier
@@ -152,8 +153,8 @@ def test_ar_steps_of_many_sessions_attend_in_one_call(tiny_target, monkeypatch, 
     for i, prompt in enumerate(prompts):
         assert batched.prefill(f"s{i}", prompt).anchor == ref.prefill(f"s{i}", prompt).anchor
     rows_in_place, rows_gathered = [], []  # per group call (ref's lone calls are in place)
-    real = session_kv._group_attention
-    monkeypatch.setattr(session_kv, "_group_attention", lambda *a, **k: (
+    real = packed._group_attention
+    monkeypatch.setattr(packed, "_group_attention", lambda *a, **k: (
         rows_in_place if a[1].positions is None else rows_gathered).append(len(a[1].rows)) or real(*a, **k))
     for _ in range(6):
         calls = [VerifyCall(sid, s.base, TokenTree.root_only(s.tokens[-1]))

@@ -54,9 +54,12 @@ def add_model_args(p: argparse.ArgumentParser, target_help: str, drafter_help: s
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """What one generation takes: method, tree, sampling and models (generate, serve orchestrator)."""
     g = p.add_argument_group("drafting")
-    g.add_argument("--method", default="presto-beam", choices=METHOD_NAMES, help=METHOD_HELP)
-    g.add_argument("--budget", type=int, default=16,
-                   help="draft tree nodes per round (root excluded); taps: the most it may choose")
+    # the defaults are the bench's fastest on a 2-core CPU in bf16 (docs/benchmarks.md, "bf16, bitwise")
+    g.add_argument("--method", default="presto-best-first", choices=METHOD_NAMES, help=METHOD_HELP)
+    g.add_argument("--budget", type=int, default=4,
+                   help="draft tree nodes per round (root excluded); taps: the most it may choose "
+                        "(default 4: the bench's fastest on a 2-core CPU; a GPU's flat verify cost "
+                        "pays for larger trees)")
     add_tree_args(g)
     g.add_argument("--rho", default=None,
                    help="rho provider for PRESTO and TAPS: ngram | hphi | constant | prefix (a drafter "

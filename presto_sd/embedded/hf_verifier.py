@@ -54,7 +54,8 @@ from presto_sd.method.acceptance import (
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
 from presto_sd.models.invariant import install_invariant_linears, invariant_linear, pick_linear_kernel
-from presto_sd.models.session_kv import KVStore, Segment, SessionKV, packed_forward
+from presto_sd.models.packed import Segment, packed_forward
+from presto_sd.models.session_kv import KVStore, SessionKV
 
 
 @dataclass

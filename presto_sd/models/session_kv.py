@@ -1,13 +1,7 @@
 """Each session's KV in its own buffers, read in place by a batched forward.
 
-Many sessions' new tokens (plain AR steps, tree nodes, prompt chunks) go through ONE
-target forward as one packed sequence: the linear layers see exactly the real token rows
-(no padding), and attention runs per session over that session's own buffers. A prompt
-chunk attends by itself with transformers' own sdpa. Decode rows (AR steps and tree
-nodes) attend one row each (``invariant.row_attention``): an AR step reads its keys in
-place, a tree node gathers its committed prefix and ancestors into the same layout, so a
-node's row is bitwise the AR step that computes its token, whatever else shares the call.
-
+Sessions live as slots of shared pages (``KVStore``), so one attention call reads many
+sessions' AR steps in place; ``packed.py`` runs the forward that reads and writes them.
 A forward writes its new KV after a session's committed ``length`` and leaves ``length``
 alone: the caller commits (``keep``) what it accepts, so a refused or failed call never
 changes a session.
@@ -15,20 +9,15 @@ changes a session.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import PreTrainedModel
 
-from presto_sd.models.invariant import KEY_BLOCK, invariant_rows, key_width, row_attention
+from presto_sd.models.invariant import KEY_BLOCK
 
-ATTENTION = "presto_sessions"  # the attention implementation name this module registers
 _ROUND = KEY_BLOCK  # capacities are multiples of this: a row reads whole key blocks in place
 _GROWTH = 1.5  # a full buffer grows to this many times what it needs: amortised O(1) appends
 
@@ -229,219 +218,3 @@ def _kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return c.num_hidden_layers, kv_heads, head_dim
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One session's share of a packed forward: ``n`` new tokens from query ``start``.
-
-    ``ancestors`` None: causal new tokens (a prompt chunk; one token is an AR step). Else
-    a tree: row ``i`` sees the committed prefix and the rows ``ancestors[i]`` (its path
-    from the root, itself last), at position ``length + len(ancestors[i]) - 1``.
-    """
-
-    kv: SessionKV
-    start: int
-    n: int
-    ancestors: tuple[tuple[int, ...], ...] | None = None
-
-    @property
-    def decode_rows(self) -> bool:
-        """Rows attended one by one (``row_attention``): AR steps and tree nodes."""
-        return self.n == 1 or self.ancestors is not None
-
-
-@dataclass(frozen=True)
-class _RowGroup:
-    """Decode rows of one page and one key width, attended in one batched call.
-
-    ``positions`` None: the rows are AR steps reading their slots' first ``width`` keys in
-    place, over the slot range ``lo:hi`` (``at``: each row's slot - lo; slots in the range
-    that are not the group's attend to key 0 and are dropped). Else one session's tree
-    nodes, ``positions [R, width]`` the key positions in its slot (the committed prefix,
-    then the node's ancestors, then 0s, masked). ``hidden`` masks each attending row's
-    keys past its own (``[R or hi - lo, width]``): worked out once for every layer.
-    """
-
-    page: KVPage
-    rows: torch.Tensor  # query indices in the packed sequence [R]
-    width: int
-    hidden: torch.Tensor
-    positions: torch.Tensor | None = None
-    slot: int = 0  # gathered: the session's slot
-    lo: int = 0
-    hi: int = 0
-    at: torch.Tensor | None = None  # in place: None when the rows fill lo:hi in order
-
-
-@dataclass(frozen=True)
-class _Writes:
-    """AR steps of one page: their new K/V entries, written in one call per layer."""
-
-    page: KVPage
-    rows: torch.Tensor
-    slots: torch.Tensor
-    lengths: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What a packed forward's attention does at every layer, worked out once."""
-
-    segments: tuple[Segment, ...]  # prompt chunks and trees (AR steps are in ``writes``)
-    writes: tuple[_Writes, ...]
-    groups: tuple[_RowGroup, ...]
-
-
-_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("presto_plan", default=None)
-
-
-def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
-    steps: dict[int, list[Segment]] = {}
-    # (page, width, gathered from slot or -1) -> rows as (query row, slot, length, new keys seen)
-    by_key: dict[tuple[int, int, int], list[tuple[int, int, int, tuple[int, ...]]]] = {}
-    pages: dict[int, KVPage] = {}
-    for s in segments:
-        if not s.decode_rows:
-            continue
-        page, length = s.kv.page, s.kv.length
-        pages[id(page)] = page
-        if s.ancestors is None:  # an AR step: its key is written at ``length``, read in place
-            steps.setdefault(id(page), []).append(s)
-            width = key_width(length + 1)
-            gather = s.kv.slot if width > page.capacity else -1
-            by_key.setdefault((id(page), width, gather), []).append((s.start, s.kv.slot, length, (0,)))
-            continue
-        for i, path in enumerate(s.ancestors):  # a tree node: its keys gathered
-            by_key.setdefault((id(page), key_width(length + len(path)), s.kv.slot), []).append(
-                (s.start + i, s.kv.slot, length, path))
-
-    def tensor(values) -> torch.Tensor:
-        return torch.tensor(values, device=device)
-
-    groups = []
-    for (page_id, width, gather), rows in by_key.items():
-        seen = torch.tensor([length + len(new) for _, _, length, new in rows])
-        queries = tensor([r[0] for r in rows])
-        if gather >= 0:  # the committed prefix, then the row's new keys, then 0s (masked)
-            positions = torch.arange(width).repeat(len(rows), 1)
-            for r, (_, _, length, new) in enumerate(rows):
-                positions[r, length : length + len(new)] = length + torch.tensor(new)
-                positions[r, length + len(new) :] = 0
-            hidden = torch.arange(width)[None] >= seen[:, None]
-            groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device),
-                                    positions.to(device), slot=gather))
-            continue
-        slots = [r[1] for r in rows]
-        lo, hi = min(slots), max(slots) + 1
-        seen_all = torch.ones(hi - lo, dtype=torch.long)  # a slot outside the group: key 0 only
-        seen_all[torch.tensor(slots) - lo] = seen
-        at = None if slots == list(range(lo, hi)) else tensor([x - lo for x in slots])
-        hidden = torch.arange(width)[None] >= seen_all[:, None]
-        groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device), lo=lo, hi=hi, at=at))
-    writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
-                           tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
-                   for group in steps.values())
-    rest = tuple(s for s in segments if not (s.ancestors is None and s.n == 1))
-    return _Plan(rest, writes, tuple(groups))
-
-
-@contextlib.contextmanager
-def packed_forward(model: PreTrainedModel, segments: Sequence[Segment]) -> Iterator[None]:
-    """Inside: the model's forward over the packed tokens attends per segment, and its
-    linear layers run row-invariant (``invariant.py``; ``install_invariant_linears``)."""
-    for s in segments:
-        s.kv.reserve(s.kv.length + s.n)
-    configs = _attention_configs(model)
-    saved = [c._attn_implementation for c in configs]
-    token = _PLAN.set(_plan(segments, model.device))
-    try:
-        for c in configs:
-            c._attn_implementation = ATTENTION
-        with invariant_rows():
-            yield
-    finally:
-        for c, impl in zip(configs, saved):
-            c._attn_implementation = impl
-        _PLAN.reset(token)
-
-
-_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its attention configs
-
-
-def _attention_configs(model: PreTrainedModel) -> list:
-    """The configs whose ``_attn_implementation`` a forward reads (walked once per model)."""
-    if model not in _CONFIGS:
-        seen: dict[int, object] = {}
-        for m in model.modules():
-            c = getattr(m, "config", None)
-            if c is not None and hasattr(c, "_attn_implementation"):
-                seen.setdefault(id(c), c)
-        _CONFIGS[model] = list(seen.values())
-    return _CONFIGS[model]
-
-
-def _causal_mask(past: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
-
-def _session_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """query/key/value [1, heads, N, head_dim] of the packed tokens -> [1, N, heads, head_dim].
-
-    Every segment's new entries go into its slot first. A prompt chunk then attends by
-    itself (transformers' sdpa, causal); decode rows (AR steps, tree nodes) attend one
-    row each, in groups (``row_attention``), so a row's result is the same whatever
-    shares the forward.
-    """
-    plan = _PLAN.get()
-    if plan is None:
-        raise RuntimeError(f"attention {ATTENTION!r} runs only inside packed_forward()")
-    layer = module.layer_idx
-    out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-    for w in plan.writes:  # AR steps: one write per page
-        w.page.keys[layer][w.slots, :, w.lengths] = key[0, :, w.rows].transpose(0, 1)
-        w.page.values[layer][w.slots, :, w.lengths] = value[0, :, w.rows].transpose(0, 1)
-    for s in plan.segments:
-        new = slice(s.start, s.start + s.n)
-        k, v = s.kv.write(layer, key[:, :, new], value[:, :, new])
-        if not s.decode_rows:
-            mask = None
-            if s.kv.length > 0:  # a chunk after a prefix: causal, aligned right
-                mask = _causal_mask(s.kv.length, s.n, query.dtype, query.device)
-            out[:, new], _ = sdpa_attention_forward(module, query[:, :, new], k, v, mask, **kwargs)
-    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    for g in plan.groups:
-        _group_attention(layer, g, query, out, scaling)
-    return out, None
-
-
-def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.Tensor,
-                     scaling: float) -> None:
-    """One row group's attention, into its rows of ``out``."""
-    page = g.page
-    kv_heads, head_dim = page.shape
-    n = len(g.rows)
-    q = query[0, :, g.rows].transpose(0, 1).reshape(n, kv_heads, -1, head_dim)  # [R, kv, group, hd]
-    if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]
-        index = g.positions.flatten()
-        k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
-        v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
-        attn = row_attention(q.transpose(0, 1), k, v, g.hidden[None], scaling).transpose(0, 1)
-    else:  # in place over the slots' range
-        if g.at is not None:
-            q, qs = q.new_zeros(g.hi - g.lo, *q.shape[1:]), q
-            q[g.at] = qs
-        k = page.keys[layer][g.lo : g.hi, :, : g.width]
-        v = page.values[layer][g.lo : g.hi, :, : g.width]
-        attn = row_attention(q, k, v, g.hidden[:, None], scaling)
-        if g.at is not None:
-            attn = attn[g.at]
-    out[0, g.rows] = attn.reshape(n, -1, head_dim)
-
-
-AttentionInterface.register(ATTENTION, _session_attention)
