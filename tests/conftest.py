@@ -29,6 +29,13 @@ def tiny_llama(vocab: int = 16, kv_heads: int = 2, layers: int = 4, seed: int = 
     return model
 
 
+def in_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A copy of ``model`` in ``dtype`` (the original stays as it is)."""
+    copy = type(model)(model.config).to(dtype).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
 def tiny_drafter_model(target: LlamaForCausalLM, seed: int = 1, block_size: int = 16) -> DFlashDraftModel:
     torch.manual_seed(seed)
     cfg = random_drafter_config(target.config, num_layers=1, block_size=block_size)

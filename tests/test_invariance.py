@@ -26,7 +26,7 @@ from presto_sd.models.invariant import (
     pick_linear_kernel,
     row_attention,
 )
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, in_dtype
 
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                       num_hidden_layers=30, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -146,12 +146,6 @@ def ar_steps(v: HFVerifier, prompt: list[int], n: int) -> tuple[list[int], list[
     v.close("ar")
     del v._forward
     return tokens, [h[0] for h in seen[1:]]
-
-
-def in_dtype(model, dtype):
-    copy = type(model)(model.config).to(dtype).eval()
-    copy.load_state_dict(model.state_dict())
-    return copy
 
 
 @pytest.mark.parametrize("dtype", dtypes_here())

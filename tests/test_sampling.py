@@ -41,7 +41,7 @@ from presto_sd.method import acceptance
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.tree import TokenTree
 from presto_sd.models.invariant import native_bf16
-from tests.conftest import tiny_llama
+from tests.conftest import in_dtype, tiny_llama
 
 V = 6
 N = 6000
@@ -270,23 +270,28 @@ def e2e_tables(e2e_target):
     return exact_pairs(exact_sequences(e2e_target, E2E_PROMPT, E2E_K, E2E_SAMPLING))
 
 
-@pytest.fixture()
-def e2e_engines(e2e_target, monkeypatch):
-    """The tiny target and a random DFlash drafter; TAPS held open, on a flat cost (it fills
-    its budget)."""
+def e2e_engines_for(target, monkeypatch):
+    """``target`` and a random DFlash drafter in its dtype; TAPS held open, on a flat cost
+    (it fills its budget)."""
     from presto_sd.method.cost_model import CostFit, OnlineCostModel
     from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
     from presto_sd.models.loading import random_drafter_config
     from tests.conftest import make_engines
 
     torch.manual_seed(1)
-    cfg = random_drafter_config(e2e_target.config, num_layers=1, block_size=8)
+    cfg = random_drafter_config(target.config, num_layers=1, block_size=8)
     cfg["dflash_config"]["target_layer_ids"] = [0, 1]
-    verifier, drafter = make_engines(e2e_target, DFlashDraftModel(DFlashConfig.from_dict(cfg)).eval())
+    drafter_model = DFlashDraftModel(DFlashConfig.from_dict(cfg)).to(target.dtype).eval()
+    verifier, drafter = make_engines(target, drafter_model)
     hold_taps_open(monkeypatch)
     verifier.forward_costs = OnlineCostModel(prior=CostFit(0.05, 0.0, 0.0, 0.0))
     verifier.forward_costs.observe = lambda *a: None
     return verifier, drafter
+
+
+@pytest.fixture()
+def e2e_engines(e2e_target, monkeypatch):
+    return e2e_engines_for(e2e_target, monkeypatch)
 
 
 @pytest.mark.parametrize("n", [E2E_N, pytest.param(E2E_N_SLOW, marks=pytest.mark.slow)])
@@ -301,21 +306,8 @@ def test_whole_generations_at_t_above_0_sample_as_plain_sampling(e2e_engines, e2
 @pytest.mark.skipif(not native_bf16(), reason="no native bf16 on this CPU: bf16 is never the default here")
 def test_whole_generations_sample_as_plain_sampling_in_bf16(e2e_target, monkeypatch):
     """The same test in bf16 (the CPU default where it is native): the law is bf16's own."""
-    from presto_sd.method.cost_model import CostFit, OnlineCostModel
-    from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
-    from presto_sd.models.loading import random_drafter_config
-    from tests.conftest import make_engines
-
-    target = type(e2e_target)(e2e_target.config).to(torch.bfloat16).eval()
-    target.load_state_dict(e2e_target.state_dict())
-    torch.manual_seed(1)
-    cfg = random_drafter_config(target.config, num_layers=1, block_size=8)
-    cfg["dflash_config"]["target_layer_ids"] = [0, 1]
-    drafter_model = DFlashDraftModel(DFlashConfig.from_dict(cfg)).to(torch.bfloat16).eval()
-    verifier, drafter = make_engines(target, drafter_model)
-    hold_taps_open(monkeypatch)
-    verifier.forward_costs = OnlineCostModel(prior=CostFit(0.05, 0.0, 0.0, 0.0))
-    verifier.forward_costs.observe = lambda *a: None
+    target = in_dtype(e2e_target, torch.bfloat16)
+    verifier, drafter = e2e_engines_for(target, monkeypatch)
     samples, rounds = sampled_generations(verifier, drafter, "presto-best-first", E2E_N)
     check_rounds(rounds, E2E_N, min_rounds=1.5)
     p = pair_p_values(samples, exact_pairs(exact_sequences(target, E2E_PROMPT, E2E_K, E2E_SAMPLING)))

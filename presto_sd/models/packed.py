@@ -98,7 +98,10 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
     # (page, width, gathered from slot or -1) -> rows as (query row, slot, length, new keys seen)
     by_key: dict[tuple[int, int, int], list[tuple[int, int, int, tuple[int, ...]]]] = {}
     pages: dict[int, KVPage] = {}
+    rest: list[Segment] = []  # prompt chunks and trees: written segment by segment
     for s in segments:
+        if s.ancestors is not None or s.n > 1:
+            rest.append(s)
         if not s.decode_rows:
             continue
         page, length = s.kv.page, s.kv.length
@@ -139,8 +142,7 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
     writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
                            tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
                    for group in steps.values())
-    rest = tuple(s for s in segments if not (s.ancestors is None and s.n == 1))
-    return _Plan(rest, writes, tuple(groups))
+    return _Plan(tuple(rest), writes, tuple(groups))
 
 
 @contextlib.contextmanager
