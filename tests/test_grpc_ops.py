@@ -7,6 +7,7 @@ import json
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -331,3 +332,25 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
         for proc, lines in servers.values():
             assert proc.wait(timeout=30) == 0
             wait_for(lines, "stopped", timeout=5)
+
+
+def test_an_engine_server_computes_on_one_thread():
+    """The engine loads and runs on its own thread with the process's torch threads; every
+    other thread computes single-threaded (one OpenMP pool: ``EngineHost.own_compute``).
+    In a fresh process: it changes process-wide settings."""
+    code = (
+        "import asyncio, threading, torch\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from presto_sd.rpc.server import EngineHost\n"
+        "torch.set_num_threads(2)\n"
+        "host = EngineHost('verifier')\n"
+        "host.own_compute()\n"
+        "def load():\n"
+        "    return threading.current_thread().name, torch.get_num_threads()\n"
+        "name, engine_threads = asyncio.run(host.load(load))\n"
+        "later = ThreadPoolExecutor(1).submit(torch.get_num_threads).result()\n"
+        "print(name.split('_')[0], engine_threads, torch.get_num_threads(), later)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["verifier-engine", "2", "1", "1"]

@@ -131,6 +131,7 @@ def run_engine(args: argparse.Namespace) -> int:
         return load(args.target, args.drafter, args.max_sessions, parse_dtype(args.dtype), args.max_kv_gb)
 
     server = GrpcServer(server_config(args), servicer, svc.add_to_server, svc.SERVICE_NAME)
+    servicer.own_compute()
     asyncio.run(serve_until_signal(server, loader))
     return 0
 

@@ -153,6 +153,26 @@ class EngineHost:
                 "message limit (--max-message-mb); nothing was run"
             )
 
+    async def load(self, loader: Callable[[], Any]) -> Any:
+        """``loader()`` on the engine thread: the load's own forwards (kernel probes, cost
+        calibration) must not give another thread an OpenMP pool (``own_compute``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, loader)
+
+    def own_compute(self) -> None:
+        """Process-wide, for a server's entry point: the engine thread keeps the torch thread
+        count set so far; every other thread of the process computes single-threaded.
+
+        Each thread that runs a parallel torch op gets its own OpenMP (libgomp) thread pool,
+        and with more pool threads than cores libgomp cuts its spin-waits short: every
+        parallel region of a forward then waits on a futex wake-up. On 2 cores a batched
+        verify of 64 AR steps took 280-410 ms instead of 145-235 once any second thread had
+        run one parallel op (2026-12-02; ``docs/benchmarks.md``, "Serving under load").
+        """
+        import torch
+
+        self._thread.submit(torch.get_num_threads).result()  # the engine thread fixes its count
+        torch.set_num_threads(1)  # this thread, and every thread that starts from now on
+
     def ready(self) -> Any:
         if self.engine is None:
             raise UnavailableError(f"{self.name}: the model is still loading")
@@ -384,8 +404,8 @@ class GrpcServer:
         log.info(json.dumps({"event": "serving", "service": self.service_name, **memory}))
 
     async def load(self, loader: Callable[[], Any]) -> None:
-        engine = await asyncio.get_running_loop().run_in_executor(None, loader)
-        await self.attach(engine)
+        """Load the engine on the thread that will run its calls (``EngineHost.load``)."""
+        await self.attach(await self.servicer.load(loader))
 
     async def _reap(self) -> None:
         ttl = self.config.session_ttl_s
