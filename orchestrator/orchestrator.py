@@ -224,6 +224,7 @@ class Orchestrator:
             stream.cancel()
         for b in self.batchers.values():
             b.stop()
+        self.metrics.flush()
         if kill_actors:
             for r in [*self.drafters.replicas, *self.verifiers.replicas]:
                 r.engine.kill()
