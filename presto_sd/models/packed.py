@@ -5,8 +5,8 @@ packed sequence: the linear layers see exactly the real token rows, through row-
 kernels (``invariant.py``), and attention runs per session over that session's own KV slot
 (``session_kv.py``). A prompt chunk attends by itself with transformers' own sdpa. Decode
 rows (AR steps and tree nodes) attend one row each (``invariant.row_attention``): an AR step
-reads its keys in place, a tree node gathers its committed prefix and ancestors into the
-same layout, so a node's row is bitwise the AR step that computes its token, whatever else
+reads the first keys of its slot, a tree node gathers its committed prefix and ancestors
+into the same layout, so a node's row is bitwise the AR step that computes its token, whatever else
 shares the call. What every layer does is worked out once per forward (``_Plan``).
 """
 
@@ -52,12 +52,11 @@ class Segment:
 class _RowGroup:
     """Decode rows of one page and one key width, attended in one batched call.
 
-    ``positions`` None: the rows are AR steps reading their slots' first ``width`` keys in
-    place, over the slot range ``lo:hi`` (``at``: each row's slot - lo; slots in the range
-    that are not the group's attend to key 0 and are dropped). Else one session's tree
-    nodes, ``positions [R, width]`` the key positions in its slot (the committed prefix,
-    then the node's ancestors, then 0s, masked). ``hidden`` masks each attending row's
-    keys past its own (``[R or hi - lo, width]``): worked out once for every layer.
+    ``positions`` None: the rows are AR steps, each reading the first ``width`` keys of its
+    slot (``slots [R]``). Else one session's tree nodes, ``positions [R, width]`` the key
+    positions in its slot (the committed prefix, then the node's ancestors, then 0s,
+    masked). ``hidden [R, width]`` masks each row's keys past its own: worked out once for
+    every layer.
     """
 
     page: KVPage
@@ -65,10 +64,8 @@ class _RowGroup:
     width: int
     hidden: torch.Tensor
     positions: torch.Tensor | None = None
-    slot: int = 0  # gathered: the session's slot
-    lo: int = 0
-    hi: int = 0
-    at: torch.Tensor | None = None  # in place: None when the rows fill lo:hi in order
+    slot: int = 0  # a tree's: the session's slot
+    slots: torch.Tensor | None = None  # AR steps': each row's slot
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,7 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
             continue
         page, length = s.kv.page, s.kv.length
         pages[id(page)] = page
-        if s.ancestors is None:  # an AR step: its key is written at ``length``, read in place
+        if s.ancestors is None:  # an AR step: its key is written at ``length``, its slot read from 0
             steps.setdefault(id(page), []).append(s)
             width = key_width(length + 1)
             gather = s.kv.slot if width > page.capacity else -1
@@ -132,13 +129,9 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
             groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device),
                                     positions.to(device), slot=gather))
             continue
-        slots = [r[1] for r in rows]
-        lo, hi = min(slots), max(slots) + 1
-        seen_all = torch.ones(hi - lo, dtype=torch.long)  # a slot outside the group: key 0 only
-        seen_all[torch.tensor(slots) - lo] = seen
-        at = None if slots == list(range(lo, hi)) else tensor([x - lo for x in slots])
-        hidden = torch.arange(width)[None] >= seen_all[:, None]
-        groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device), lo=lo, hi=hi, at=at))
+        hidden = torch.arange(width)[None] >= seen[:, None]
+        groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device),
+                                slots=tensor([r[1] for r in rows])))
     writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
                            tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
                    for group in steps.values())
@@ -231,15 +224,11 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
         k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
         v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
         attn = row_attention(q.transpose(0, 1), k, v, g.hidden[None], scaling).transpose(0, 1)
-    else:  # in place over the slots' range
-        if g.at is not None:
-            q, qs = q.new_zeros(g.hi - g.lo, *q.shape[1:]), q
-            q[g.at] = qs
-        k = page.keys[layer][g.lo : g.hi, :, : g.width]
-        v = page.values[layer][g.lo : g.hi, :, : g.width]
+    else:  # AR steps: only their own slots' first keys, copied out contiguous (a strided
+        # view of a page's slot range would be copied by the matmul anyway, transposed)
+        k = page.keys[layer][:, :, : g.width].index_select(0, g.slots)
+        v = page.values[layer][:, :, : g.width].index_select(0, g.slots)
         attn = row_attention(q, k, v, g.hidden[:, None], scaling)
-        if g.at is not None:
-            attn = attn[g.at]
     out[0, g.rows] = attn.reshape(n, -1, head_dim)
 
 
