@@ -329,9 +329,10 @@ def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate(
 
 
 def test_under_load_the_gate_probes_less_often():
-    """In a shared forward a losing probe slows every stream: the backoff grows past the
-    lone cap (8) to the loaded one (32), each skip drawn from [b, 2b) so that streams that
-    started together spread their probes; alone it stops at 8, with no draw."""
+    """In a shared forward a losing probe slows every stream: with 15 others the backoff
+    starts at 16 and grows to the loaded cap (32), each skip drawn from [b, 2b) so that
+    streams that started together spread their probes; alone it goes 1, 2, 4 and stops at
+    8, with no draw."""
     from presto_sd.loop.taps_feedback import TapsFeedback
     from presto_sd.method.batch_cost import SharedForward
     from presto_sd.method.tree import TokenTree
@@ -339,15 +340,32 @@ def test_under_load_the_gate_probes_less_often():
     loaded = _CalibratedVerifier()
     loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=15.0)
     root = TokenTree.root_only(7)
-    backoffs = [1, 2, 4, 8, 16, 32, 32]
+    backoffs = [16, 32, 32, 32, 32, 32, 32]
     skips = []
     for seed in ("request-a", "request-b"):
         fb = TapsFeedback(loaded, seed=seed)
+        fb._joined = True  # (its first probe's wait: the next test)
         skips.append([skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)])
         assert all(b <= s < 2 * b for s, b in zip(skips[-1], backoffs)), skips[-1]
     assert skips[0] != skips[1]  # two requests probe in different forwards
     fb = TapsFeedback(_CalibratedVerifier(), seed="request-a")
     assert [skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)] == [1, 2, 4, 8, 8, 8, 8]
+
+
+def test_a_stream_joining_a_loaded_forward_spreads_its_first_probe():
+    """With 63 others in the forward, newcomers wait [0, 64) rounds before their first
+    probe, each its own draw; alone the first round drafts."""
+    from presto_sd.loop.taps_feedback import TapsFeedback
+    from presto_sd.method.batch_cost import SharedForward
+
+    loaded = _CalibratedVerifier()
+    loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=63.0)
+    waits = []
+    for seed in range(20):
+        fb = TapsFeedback(loaded, seed=seed)
+        waits.append(next(i for i in range(100) if fb.should_draft()))
+    assert all(0 <= w < 64 for w in waits) and len(set(waits)) > 10
+    assert TapsFeedback(_CalibratedVerifier()).should_draft()
 
 
 def test_taps_feedback_hands_the_loop_what_it_learned():

@@ -27,11 +27,14 @@
   each drafted round's saving against plain AR steps for the same tokens,
   ``tokens * t_ar - t_round`` with ``t_ar`` the cost model's one-token verify plus a
   commit, and keeps a moving average (weight 0.1 on the newest, from 0). While it is
-  negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (8), or
-  ``max_backoff_loaded`` (32) in a shared forward, where a losing probe slows every stream
-  in it; there each skip is drawn from ``[b, 2b)`` (seeded by the request) so that the
-  streams that started together do not all probe in the same forward (a batch leaves
-  without the streams that are drafting, and a herd of them splits it in two). A skipped
+  negative the loop skips drafting for 1 round, then 2, 4, up to ``max_backoff`` (8).
+  In a shared forward with ``O`` other streams a losing probe slows every one of them
+  (on a CPU the drafter's forward also takes the verifier's cores), so probes are rarer
+  there: the backoff starts at ``O + 1`` and grows to ``max(max_backoff_loaded, 2(O + 1))``
+  (32 at least), each skip drawn from ``[b, 2b)`` (seeded by the request) so that streams
+  that started together do not all probe in the same forward (a batch leaves without the
+  streams that are drafting, and a herd of them splits it); and a stream that joins a
+  loaded forward waits ``[0, O + 1)`` rounds before its first probe. A skipped
   round is a plain AR step (the drafter gets its delta with the next draft); a drafted
   round that brings the average back to >= 0 resets the backoff. The average moves only
   on drafted rounds, so after a long losing stretch it takes a few good probes, up to
@@ -70,6 +73,7 @@ class TapsFeedback:
         # in a shared forward a probe costs every stream in it, not only this one: probe less
         self.max_backoff_loaded = max(max_backoff, max_backoff_loaded)
         self._backoff = self._skip = 0  # rounds to skip at the next closing; left to skip
+        self._joined = False  # has the first round looked at the load
         self._jitter = random.Random(seed)  # spreads loaded streams' probes over the forwards
         self._verifier, self._rows = verifier, 1  # this request's rows in its last forward
         self._drafter = drafter
@@ -81,6 +85,11 @@ class TapsFeedback:
 
     def should_draft(self) -> bool:
         """False for the rounds the gate skips (each call is one round)."""
+        if not self._joined:  # joining a loaded forward: spread the newcomers' first probes
+            self._joined = True
+            shared = self._verifier.shared_forward(self._rows)
+            if shared is not None:
+                self._skip = self._jitter.randrange(int(shared.others_tokens) + 1)
         if self._skip > 0:
             self._skip -= 1
             return False
@@ -127,8 +136,9 @@ class TapsFeedback:
         tokens = others + len(accepted) + 1
         self.saving.observe(tokens * ar_step_s - (draft_s + verify_s + commit_s))
         if self.saving.value < 0:
-            cap = self.max_backoff if shared is None else self.max_backoff_loaded
-            self._backoff = min(cap, max(1, 2 * self._backoff))
+            floor = 1 if shared is None else int(shared.others_tokens) + 1
+            cap = self.max_backoff if shared is None else max(self.max_backoff_loaded, 2 * floor)
+            self._backoff = min(cap, max(floor, 2 * self._backoff))
             self._skip = self._backoff
             if shared is not None:
                 self._skip += self._jitter.randrange(self._backoff)
