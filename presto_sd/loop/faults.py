@@ -63,8 +63,10 @@ class DrafterLink:
         self.retry_at, self.wait = 0.0, policy.drafter_retry_s
 
     def prefill(self, delta: FeatureDelta) -> None:
+        """Log the prompt's features; the drafter session opens with the first draft, from
+        the whole log (``_reopen``). A request that never drafts (``ar`` rounds, TAPS's gate
+        shut under load) costs the drafter nothing, and the first token never waits for it."""
         self.log = [delta]
-        self._reopen()
 
     def commit(self, delta: FeatureDelta) -> None:
         """Log the round's delta; the drafter gets it with the next draft, in the same call
