@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -43,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=16, help="tree budget (taps: the most it may choose)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per engine (and the peer)")
     p.add_argument("--peer-dtypes", default="float32", help="comma-separated; '' skips the peer")
+    p.add_argument("--up-args", default="", help="more flags for `presto-sd up`, e.g. "
+                   "'--max-batch-prefill-tokens 2048' (one string)")
     p.add_argument("--out", default="runs/serving")
     return p.parse_args()
 
@@ -122,7 +125,8 @@ class UpStack:
         from orchestrator.client import OrchestratorClient
 
         cmd = [sys.executable, "-m", "presto_sd.app.cli", "up", "--port", "0", "--threads", str(args.threads),
-               "--max-new-tokens", str(args.max_new_tokens), "--budget", str(args.budget)]
+               "--max-new-tokens", str(args.max_new_tokens), "--budget", str(args.budget),
+               *shlex.split(args.up_args)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
         for line in self.proc.stdout:
