@@ -6,8 +6,9 @@ kernels (``invariant.py``), and attention runs per session over that session's o
 (``session_kv.py``). A prompt chunk attends by itself with transformers' own sdpa. Decode
 rows (AR steps and tree nodes) attend one row each (``invariant.row_attention``): an AR step
 reads the first keys of its slot, a tree node gathers its committed prefix and ancestors
-into the same layout, so a node's row is bitwise the AR step that computes its token, whatever else
-shares the call. What every layer does is worked out once per forward (``_Plan``).
+into the same layout, so a node's row is bitwise the AR step that computes its token,
+whatever else shares the call. What every layer does is worked out once per forward
+(``_Plan``).
 """
 
 from __future__ import annotations
