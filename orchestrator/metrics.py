@@ -11,11 +11,14 @@ benchmark, which need no scrape.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter as Tally
 
 from ray.util import metrics as rm
+
+log = logging.getLogger(__name__)
 
 # tau per round: accepted draft tokens + 1
 ACCEPT_BOUNDS = [float(b) for b in range(1, 17)]
@@ -175,7 +178,10 @@ class _RayExport:
     def _run(self) -> None:
         while True:
             time.sleep(self._flush_s)
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - metrics must outlive one bad record
+                log.exception("metrics export: a flush failed; the values it held are dropped")
 
     def flush(self) -> None:
         with self._recording:
