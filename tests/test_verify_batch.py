@@ -152,10 +152,10 @@ def test_ar_steps_of_many_sessions_attend_in_one_call(tiny_target, monkeypatch, 
     prompts = [*PROMPTS, long]  # five sessions: a page of four, and one alone
     for i, prompt in enumerate(prompts):
         assert batched.prefill(f"s{i}", prompt).anchor == ref.prefill(f"s{i}", prompt).anchor
-    rows_in_place, rows_gathered = [], []  # per group call (ref's lone calls are in place)
+    rows_of_steps, rows_gathered = [], []  # per group call: AR steps read from their slots, or gathered
     real = packed._group_attention
     monkeypatch.setattr(packed, "_group_attention", lambda *a, **k: (
-        rows_in_place if a[1].positions is None else rows_gathered).append(len(a[1].rows)) or real(*a, **k))
+        rows_of_steps if a[1].positions is None else rows_gathered).append(len(a[1].rows)) or real(*a, **k))
     for _ in range(6):
         calls = [VerifyCall(sid, s.base, TokenTree.root_only(s.tokens[-1]))
                  for sid, s in ref.sessions.items()]
@@ -165,10 +165,10 @@ def test_ar_steps_of_many_sessions_attend_in_one_call(tiny_target, monkeypatch, 
         assert_same_caches(batched, ref, sid)
     capacities = {kv.capacity for kv in (s.kv for s in batched.sessions.values())}
     if min_capacity == 8:
-        assert capacities >= {16, 32} and rows_gathered and max(rows_in_place) == 1
+        assert capacities >= {16, 32} and rows_gathered and max(rows_of_steps) == 1
     else:
         layers = tiny_target.config.num_hidden_layers
-        assert len(rows_in_place) >= 6 * layers and max(rows_in_place) >= 3
+        assert len(rows_of_steps) >= 6 * layers and max(rows_of_steps) >= 3
         assert capacities == {64, 128}
 
 

@@ -119,20 +119,18 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
 
     groups = []
     for (page_id, width, gather), rows in by_key.items():
+        page = pages[page_id]
         seen = torch.tensor([length + len(new) for _, _, length, new in rows])
         queries = tensor([r[0] for r in rows])
+        hidden = (torch.arange(width)[None] >= seen[:, None]).to(device)
         if gather >= 0:  # the committed prefix, then the row's new keys, then 0s (masked)
             positions = torch.arange(width).repeat(len(rows), 1)
             for r, (_, _, length, new) in enumerate(rows):
                 positions[r, length : length + len(new)] = length + torch.tensor(new)
                 positions[r, length + len(new) :] = 0
-            hidden = torch.arange(width)[None] >= seen[:, None]
-            groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device),
-                                    positions.to(device), slot=gather))
-            continue
-        hidden = torch.arange(width)[None] >= seen[:, None]
-        groups.append(_RowGroup(pages[page_id], queries, width, hidden.to(device),
-                                slots=tensor([r[1] for r in rows])))
+            groups.append(_RowGroup(page, queries, width, hidden, positions.to(device), slot=gather))
+        else:
+            groups.append(_RowGroup(page, queries, width, hidden, slots=tensor([r[1] for r in rows])))
     writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
                            tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
                    for group in steps.values())
