@@ -51,6 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_dataclass_args(gen, GenDataConfig, skip=("out",))
     gen.add_argument("--out", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
 
+    from presto_sd.app.training.grow_corpus import GrowConfig
+
+    grow = tsub.add_parser("grow-corpus", help="add the target's responses to the repo corpus (token ids, "
+                           "resumable from the committed shards; docs/training.md)")
+    _add_dataclass_args(grow, GrowConfig)
+
     dr = tsub.add_parser("drafter", help="train a DFlash drafter on gen-data shards (resumable)")
     _add_dataclass_args(dr, TrainConfig, skip=("data", "out"))
     dr.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
@@ -71,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.app.training.gen_data import GenDataConfig, generate_training_data
 
         print(generate_training_data(_to_config(GenDataConfig, args)))
+    elif args.train_command == "grow-corpus":
+        from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
+
+        print(grow_corpus(_to_config(GrowConfig, args)))
     elif args.train_command == "drafter":
         from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 

@@ -189,7 +189,8 @@ def _check_existing_shards(out: Path, batches: list) -> None:
 
 
 @torch.inference_mode()
-def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: int, eos: set[int]):
+def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: int, eos: set[int],
+                    capture_features: bool = True):
     """Batched greedy/sampled decoding that drops finished rows from the batch each step.
 
     transformers' ``generate`` keeps stepping finished rows until the longest one ends;
@@ -215,9 +216,10 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
     cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv,
-                logits_to_keep=1, output_hidden_states=True)  # full [B, T, V] logits: gigabytes
-    pre = layer_feats(out)
-    feats = [[pre[i, width - len(p):]] for i, p in enumerate(prompts)]
+                logits_to_keep=1, output_hidden_states=capture_features)  # full [B, T, V] logits: gigabytes
+    if capture_features:
+        pre = layer_feats(out)
+        feats = [[pre[i, width - len(p):]] for i, p in enumerate(prompts)]
     rows = torch.arange(len(prompts))  # original index of each active row
     last_pos = pos[:, -1]
     responses: list[list[int]] = [[] for _ in prompts]
@@ -241,10 +243,13 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype, device=dev)], dim=1)
         last_pos = last_pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                    use_cache=True, output_hidden_states=True, **kv)
-        step = layer_feats(out)
-        for j, r in enumerate(rows.tolist()):
-            feats[r].append(step[j])
+                    use_cache=True, output_hidden_states=capture_features, **kv)
+        if capture_features:
+            step = layer_feats(out)
+            for j, r in enumerate(rows.tolist()):
+                feats[r].append(step[j])
+    if not capture_features:
+        return responses, None
     width_f = feats[0][0].shape[-1]
     feats = [torch.cat([*f, torch.zeros(1, width_f, dtype=torch.bfloat16)]) for f in feats]
     return responses, feats
