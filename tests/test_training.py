@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
 from presto_sd.app.training.gen_data import GenDataConfig, generate_training_data, load_shards
@@ -17,21 +15,6 @@ from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
 from presto_sd.models.dflash import DFlashDraftModel
 from presto_sd.models.loading import DEFAULT_DRAFTER, fetch_smollm2
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    """A random 2-layer Llama with SmolLM2's tokenizer (real chat template, real vocab)."""
-    smol = fetch_smollm2()
-    out = tmp_path_factory.mktemp("tiny-target")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=2, bos_token_id=1, pad_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smol / f, out / f)
-    return out
 
 
 def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):

@@ -51,11 +51,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_dataclass_args(gen, GenDataConfig, skip=("out",))
     gen.add_argument("--out", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
 
-    from presto_sd.app.training.grow_corpus import GrowConfig
+    from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS, GrowConfig
 
     grow = tsub.add_parser("grow-corpus", help="add the target's responses to the repo corpus (token ids, "
                            "resumable from the committed shards; docs/training.md)")
     _add_dataclass_args(grow, GrowConfig)
+
+    feat = tsub.add_parser("features", help="a `train drafter --data` dir from the repo corpus: the target's "
+                           "features and top-k soft labels, prefilled into the cache where missing")
+    feat.add_argument("--corpus", default=DEFAULT_CORPUS, help="(default: %(default)s)")
+    feat.add_argument("--out", default=str(cache_dir() / "data" / "corpus-features"),
+                      help="(default: %(default)s)")
+    feat.add_argument("--target", default=None, help="(default: SmolLM2-135M-Instruct)")
+    feat.add_argument("--target-layer-ids", default="1,8,14,20,27", help="(default: %(default)s)")
+    feat.add_argument("--top-k", type=int, default=16, help="soft labels per position (default: %(default)s)")
+    feat.add_argument("--dtype", default="bfloat16",
+                      help="(default: %(default)s; float32 on a CPU without native bf16)")
+    feat.add_argument("--max-shards", type=int, default=0, help="the first n shards only (default: all)")
 
     dr = tsub.add_parser("drafter", help="train a DFlash drafter on gen-data shards (resumable)")
     _add_dataclass_args(dr, TrainConfig, skip=("data", "out"))
@@ -81,6 +93,15 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 
         print(grow_corpus(_to_config(GrowConfig, args)))
+    elif args.train_command == "features":
+        import torch
+
+        from presto_sd.app.training.features import materialize
+        from presto_sd.models.loading import load_target
+
+        model, _ = load_target(args.target, torch.device("cpu"), getattr(torch, args.dtype))
+        layers = tuple(int(x) for x in args.target_layer_ids.split(","))
+        print(materialize(args.corpus, args.out, model, args.target, layers, args.top_k, args.max_shards))
     elif args.train_command == "drafter":
         from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 

@@ -269,6 +269,16 @@ class Sequence:
         """bf16 [T, F], read from the shard's memory map."""
         return _open_shard(self.shard).get_slice("features")[self.start : self.start + len(self.tokens)]
 
+    @property
+    def soft_labels(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's top-k ids int [T, k] and log-probs [T, k] at every row (row t predicts
+        token t + 1), where the shard has them (``features.py`` prefills); else None."""
+        f = _open_shard(self.shard)
+        if "topk_ids" not in f.keys():
+            return None
+        rows = slice(self.start, self.start + len(self.tokens))
+        return f.get_slice("topk_ids")[rows], f.get_slice("topk_logprobs")[rows]
+
 
 @lru_cache(maxsize=64)
 def _open_shard(path: Path):

@@ -61,6 +61,10 @@ class TrainConfig:
     # with prefix_only, train just a new prefix head on top of it, the drafter frozen
     init_drafter: str = ""
     prefix_only: bool = False
+    # weight of the soft-label CE against the target's top-k distribution (restricted to the
+    # draft vocabulary, renormalised) beside the hard CE: loss = (1 - w) hard + w soft.
+    # Needs shards with soft labels (``train features``); 0 = hard labels only (DFlash).
+    soft_weight: float = 0.0
 
 
 def sequence_key(s: Sequence) -> str:
@@ -133,7 +137,14 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
     target_ids = torch.full((B, m, L - 1), -1, dtype=torch.long)  # target ids (accuracy)
     parents = torch.full((B, m, L - 1), -1, dtype=torch.long)  # draft id of each slot's parent token
     mask = torch.zeros(B, 1, m * L, T + m * L, dtype=torch.bool)
+    soft = [s.soft_labels for s in seqs] if cfg.soft_weight > 0 else [None] * B
+    if cfg.soft_weight > 0 and any(x is None for x in soft):
+        raise ValueError("soft_weight > 0 needs shards with soft labels: make them with `train features`")
+    k_soft = soft[0][0].shape[1] if soft[0] is not None else 1
+    soft_ids = torch.full((B, m, L - 1, k_soft), -100, dtype=torch.long)  # draft ids, -100 outside
+    soft_lp = torch.full((B, m, L - 1, k_soft), -torch.inf)
     for b, s in enumerate(seqs):
+        labels_b = soft[b]
         n = len(s.tokens)
         feats[b, :n] = s.features.float()
         lo, hi = max(1, s.prompt_len - 1), n - 2  # anchors in the response (>= 1 context token)
@@ -149,14 +160,18 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
             labels[b, j, : len(tgt)] = t2d[tgt]
             par = t2d[s.tokens[a : a + L - 1]]  # slot k's parent is the true token at k - 1
             parents[b, j, : len(par)] = torch.where(par < 0, -1, par)
-    return feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids, parents
+            if labels_b is not None:  # slot k's label row is the target's prediction after token a + k - 1
+                ids, lp = labels_b[0][a : a + len(tgt)].long(), labels_b[1][a : a + len(tgt)].float()
+                soft_ids[b, j, : len(tgt)] = t2d[ids]
+                soft_lp[b, j, : len(tgt)] = torch.where(t2d[ids] >= 0, lp, -torch.inf)
+    return feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids, parents, soft_ids, soft_lp
 
 
 def block_loss(model, head, embed, batch, cfg: TrainConfig):
     """Position-weighted CE over block slots, plus the prefix head's conditional CE (its
     parents teacher-forced: in a tree, a node's children are scored given its own token);
     predictions of both for per-position top-1 accuracy (target ids)."""
-    feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids, parents = batch
+    feats, ctx_pos, block_ids, block_pos, mask, labels, target_ids, parents, soft_ids, soft_lp = batch
     B, mL = block_ids.shape
     L = cfg.block_size
     ctx_kv = model.context_kv(feats, ctx_pos)
@@ -171,12 +186,35 @@ def block_loss(model, head, embed, batch, cfg: TrainConfig):
         return (ce.view_as(labels) * valid * weights).sum() / (valid * weights).sum().clamp_min(1)
 
     loss = weighted_ce(logits)
+    parts = {"hard_ce": loss.detach()}
+    if cfg.soft_weight > 0:
+        parts["soft_kl"] = soft_kl(logits, soft_ids, soft_lp, weights)
+        loss = (1 - cfg.soft_weight) * loss + cfg.soft_weight * parts["soft_kl"]
     pred, pred_cond = logits.argmax(-1), None
     if model.prefix_head is not None:
         cond = logits + model.prefix_head(hidden, parents)
         loss = loss + cfg.prefix_weight * weighted_ce(cond)
         pred_cond = cond.argmax(-1)
-    return loss, pred, target_ids, pred_cond
+    return loss, pred, target_ids, pred_cond, parts
+
+
+def soft_kl(logits: torch.Tensor, soft_ids: torch.Tensor, soft_lp: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+    """KL from the target's top-k distribution to the drafter's, within the draft vocabulary.
+
+    The CE's gradient, with its floor at 0 instead of the target's entropy, so the logged
+    value says how far the drafter is from the target. The target's mass outside the
+    draft vocabulary can never be drafted, so it is dropped and the rest renormalised; a
+    slot with none of its top-k in the vocabulary (or no label) carries no soft loss.
+    Position weights as for the hard CE.
+    """
+    has = soft_ids >= 0
+    p = torch.softmax(soft_lp, dim=-1).nan_to_num(0.0)  # all -inf rows: NaN -> 0
+    logp = torch.where(p > 0, p.clamp_min(1e-30).log(), 0.0)
+    logq = torch.log_softmax(logits, dim=-1).gather(-1, soft_ids.clamp_min(0))
+    per_slot = (p * (logp - logq) * has).sum(-1)  # [B, m, L-1]
+    slot_w = has.any(-1).float() * weights
+    return (per_slot * slot_w).sum() / slot_w.sum().clamp_min(1)
 
 
 class DraftVocab:
@@ -266,7 +304,7 @@ def train_drafter(cfg: TrainConfig) -> Path:
             g["lr"] = lr
         batch = tuple(x.to(dev) for x in make_batch(rng.sample(train, cfg.batch_seqs), cfg, vocab.t2d, rng))
         model.train()
-        loss, pred, tids, pred_cond = block_loss(model, head, embed, batch, cfg)
+        loss, pred, tids, pred_cond, parts = block_loss(model, head, embed, batch, cfg)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -277,6 +315,7 @@ def train_drafter(cfg: TrainConfig) -> Path:
             tids = tids.cpu()
             acc = _position_accuracy(d2t[pred.clamp_min(0).cpu()], tids)
             rec = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "acc": acc,
+                   **{k: round(v.item(), 4) for k, v in parts.items()},
                    "elapsed_s": round(time.perf_counter() - t0, 1)}
             if pred_cond is not None:  # top-1 given the true parent: what a tree's children see
                 rec["acc_cond"] = _position_accuracy(d2t[pred_cond.clamp_min(0).cpu()], tids)
@@ -293,15 +332,25 @@ def train_drafter(cfg: TrainConfig) -> Path:
     model.eval()
     with torch.no_grad():
         hb = tuple(x.to(dev) for x in make_batch(heldout, cfg, vocab.t2d, random.Random(1)))
-        hl, hp, ht, hc = block_loss(model, head, embed, hb, cfg)
+        hl, hp, ht, hc, _ = block_loss(model, head, embed, hb, cfg)
         hp, ht, hc = hp.cpu(), ht.cpu(), hc.cpu() if hc is not None else None
     heldout_acc = _position_accuracy(d2t[hp.clamp_min(0)], ht)
     report = {"heldout_loss": round(hl.item(), 4), "heldout_acc": heldout_acc,
               "heldout_acc_cond": _position_accuracy(d2t[hc.clamp_min(0)], ht) if hc is not None else None,
               "train_sequences": len(train), "train_tokens": sum(len(s.tokens) for s in train),
+              # response labels the draft vocabulary cannot hold: masked out of the hard CE
+              # (EAGLE-3's rule), a certain rejection at inference
+              "oov_label_rate": round(out_of_vocab_rate(train, vocab.t2d), 4),
               "wall_s": round(time.perf_counter() - t0, 1), "config": asdict(cfg)}
     (out / "drafter" / "training_report.json").write_text(json.dumps(report, indent=2))
     return out / "drafter"
+
+
+def out_of_vocab_rate(seqs: list[Sequence], t2d: torch.Tensor) -> float:
+    """The share of response tokens outside the draft vocabulary."""
+    resp = [s.tokens[s.prompt_len :] for s in seqs]
+    n = sum(len(r) for r in resp)
+    return sum(int((t2d[r] < 0).sum()) for r in resp) / max(n, 1)
 
 
 def _position_accuracy(pred: torch.Tensor, target_ids: torch.Tensor) -> list[float]:
