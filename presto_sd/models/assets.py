@@ -10,6 +10,7 @@ the rest keeps its defaults. Standard library only: the engine contracts carry
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,10 +20,50 @@ PRESTO_FILE = "presto.json"
 NGRAM_FILE = "ngram.json.gz"
 H_PHI_DIR = "h_phi"
 CALIBRATED_RHO = "hphi"  # the acceptance estimate trained to be calibrated (TAPS sums reaches)
+DIGESTS_FILE = "sha256.json"  # every file a drafter dir ships, with its sha256
 
 
 class DrafterNotFoundError(FileNotFoundError):
     """``--drafter`` names neither a local directory nor a drafter the hub could provide."""
+
+
+class DrafterAssetError(ValueError):
+    """A drafter directory lacks its weights, or a file differs from its ``sha256.json``."""
+
+
+def file_digests(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (but the digest file itself), by relative path."""
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(path.rglob("*")) if f.is_file() and f.name != DIGESTS_FILE}
+
+
+def write_digests(path: Path) -> Path:
+    """Record the digests of a drafter dir about to ship (``presto-sd train`` writes the files)."""
+    out = Path(path) / DIGESTS_FILE
+    out.write_text(json.dumps(file_digests(Path(path)), indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def check_drafter_dir(path: Path) -> None:
+    """Refuse a drafter dir without its weights, or whose files differ from its digests.
+
+    A missing ``model.safetensors`` must never turn into random weights: the output would
+    still be exact but nothing accepted, and no one would know why it got slow.
+    """
+    weights = [f for f in path.glob("*.safetensors") if f.name != "draft_vocab.safetensors"]
+    missing = [name for name, ok in (("config.json", (path / "config.json").is_file()),
+                                     ("weights (*.safetensors)", bool(weights))) if not ok]
+    if missing:
+        raise DrafterAssetError(f"drafter dir {path} has no {', '.join(missing)}: "
+                                "a drafter dir holds a DFlash checkpoint (docs/training.md)")
+    digests = path / DIGESTS_FILE
+    if not digests.exists():
+        return
+    want, have = json.loads(digests.read_text()), file_digests(path)
+    bad = sorted(f for f, d in want.items() if have.get(f) != d)
+    if bad:
+        raise DrafterAssetError(f"drafter dir {path}: {', '.join(bad)} missing or differing from "
+                                f"{DIGESTS_FILE} (a partial checkout, an edit, or Git LFS pointers)")
 
 
 @dataclass(frozen=True)
@@ -75,6 +116,8 @@ class DrafterAssets:
 
     @classmethod
     def read(cls, path: Path | None) -> DrafterAssets:
+        if path is not None:
+            check_drafter_dir(path)
         presto = path / PRESTO_FILE if path is not None else None
         if presto is None or not presto.exists():
             return cls(path)

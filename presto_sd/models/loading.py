@@ -207,10 +207,8 @@ def resolve_drafter(spec: str | None, target_spec: str | None) -> DrafterSpec:
     shipped drafter for the default target, else a random one."""
     if spec and spec != "random":
         return DrafterSpec(locate_drafter(spec))
-    if spec is None and (target_spec or DEFAULT_TARGET) == DEFAULT_TARGET and (
-        DEFAULT_DRAFTER / "config.json"
-    ).exists():
-        return DrafterSpec(DEFAULT_DRAFTER)
+    if spec is None and (target_spec or DEFAULT_TARGET) == DEFAULT_TARGET and DEFAULT_DRAFTER.is_dir():
+        return DrafterSpec(DEFAULT_DRAFTER)  # checked when read: a broken one is refused, never random
     return DrafterSpec(None)
 
 

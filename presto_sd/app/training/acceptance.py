@@ -22,6 +22,7 @@ from tqdm import tqdm
 from presto_sd.method.builders import MAX_CANDIDATES, TreeParams
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import RHO_FLOOR, HPhi, NGramRho, ScoringContext, hphi_features
+from presto_sd.models.assets import write_digests
 
 LAMBDA_GRID = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
@@ -293,6 +294,7 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
                                                  "lambdas_by_rho": lambdas}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))
     plot_reliability(report, out / "reliability.png")
+    write_digests(out)  # the dir is what ships: its digests are written with its last file
     return report
 
 
