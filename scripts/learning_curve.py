@@ -1,0 +1,177 @@
+"""The drafter's learning curve: one recipe, trained on growing prefixes of the repo corpus.
+
+For each size (response tokens of the corpus, in plan order) it waits until the corpus
+holds that many (the grow-corpus job adds shards beside it), prefills the features and
+soft labels of that prefix (cached: a later, larger point prefills only its new shards),
+trains a drafter with the one recipe, and judges it by the replay on the benchmark sets
+(8 prompts a set, 128 tokens, greedy): position-1 top-1, linear tau, marginal tau at 16.
+Each finished point is appended to ``docs/data/learning_curve.jsonl`` (the repo: it
+outlives the machine); ``--plot`` draws ``docs/img/learning_curve.png`` from that file.
+A point already in the file is skipped, so the script resumes where it stopped.
+
+    nice -n 10 .venv/bin/python scripts/learning_curve.py --sizes 500000,1000000,2000000 \\
+        --steps 3000 --soft-weight 0.5
+    .venv/bin/python scripts/learning_curve.py --plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "data" / "learning_curve.jsonl"
+PLOT = ROOT / "docs" / "img" / "learning_curve.png"
+REPLAY_ARGS = ["--datasets", "gsm8k,humaneval,mtbench", "--n", "8", "--methods", "linear,marginal",
+               "--budgets", "16", "--max-new-tokens", "128", "--no-progress"]
+
+
+def prefix_shards(manifest: dict, size: int) -> int | None:
+    """The fewest leading shards (0, 1, ... with none missing) holding >= ``size`` response tokens."""
+    total, n = 0, 0
+    while str(n) in manifest["shards"]:
+        total += manifest["shards"][str(n)]["response_tokens"]
+        n += 1
+        if total >= size:
+            return n
+    return None
+
+
+def point_name(size: int, args: argparse.Namespace) -> str:
+    return f"{size // 1000}k-s{args.steps}-soft{args.soft_weight:g}"
+
+
+def done_points() -> set[str]:
+    if not RESULTS.exists():
+        return set()
+    return {json.loads(line)["name"] for line in RESULTS.read_text().splitlines() if line.strip()}
+
+
+def run_point(size: int, args: argparse.Namespace) -> dict:
+    import torch
+
+    from presto_sd.app.training.features import materialize
+    from presto_sd.app.training.token_corpus import Corpus
+    from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
+    from presto_sd.models.cache import cache_dir
+    from presto_sd.models.loading import load_target
+
+    corpus = Corpus(args.corpus)
+    while (n := prefix_shards(corpus.manifest(), size)) is None:
+        print(f"learning-curve: waiting for {size:,} response tokens in {args.corpus}", flush=True)
+        time.sleep(120)
+    name = point_name(size, args)
+    t0 = time.perf_counter()
+    model, _ = load_target(None, torch.device("cpu"), torch.bfloat16)
+    data = materialize(args.corpus, cache_dir("data", f"curve-{n}shards"), model, None,
+                       (1, 8, 14, 20, 27), max_shards=n)
+    del model
+    t_feat = time.perf_counter() - t0
+    run = ROOT / "runs" / "curve" / name
+    cfg = TrainConfig(data=str(data), out=str(run), steps=args.steps, batch_seqs=8, anchors_per_seq=16,
+                      ckpt_every=250, soft_weight=args.soft_weight)
+    drafter = train_drafter(cfg)
+    t_train = time.perf_counter() - t0 - t_feat
+    out = run / "replay"
+    cli = Path(sys.executable).parent / "presto-sd"
+    subprocess.run([str(cli), "bench", "--replay", "--drafter", str(drafter), *REPLAY_ARGS,
+                    "--out", str(out)], check=True)
+    replay = json.loads((out / "replay.json").read_text())
+    manifest = corpus.manifest()["shards"]
+    report = json.loads((drafter / "training_report.json").read_text())
+    return {
+        "name": name, "size": size, "shards": n,
+        "response_tokens": sum(manifest[str(i)]["response_tokens"] for i in range(n)),
+        "tokens": sum(manifest[str(i)]["tokens"] for i in range(n)),
+        "steps": args.steps, "soft_weight": args.soft_weight, "heldout_acc": report["heldout_acc"],
+        "oov_label_rate": report["oov_label_rate"],
+        "top1": {ds: v["recall"]["1"][0] for ds, v in replay["positions"].items()},
+        "tau": _taus(replay),
+        "features_s": round(t_feat), "train_s": round(t_train),
+        "machine": replay["machine"], "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["scripts/learning_curve.py", *sys.argv[1:]]),
+    }
+
+
+def _taus(replay: dict) -> dict:
+    taus: dict = {}
+    for r in replay["rows"]:
+        key = r["method"] + (f"@{r['budget']}" if r["budget"] else "")
+        taus.setdefault(key, {})[r["dataset"]] = round(r["tau"], 3)
+    return taus
+
+
+def plot() -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    panels = (("position-1 top-1", lambda r, ds: r["top1"][ds]),
+              ("linear tau", lambda r, ds: r["tau"]["linear"][ds]),
+              ("marginal tau @ 16", lambda r, ds: r["tau"]["marginal@16"][ds]))
+    for ax, (title, get) in zip(axes, panels):
+        for recipe in sorted({(r["steps"], r["soft_weight"]) for r in rows}):
+            pts = sorted((r for r in rows if (r["steps"], r["soft_weight"]) == recipe and r["size"] > 0),
+                         key=lambda r: r["response_tokens"])
+            for i, ds in enumerate(("gsm8k", "humaneval", "mtbench")):
+                ax.plot([r["response_tokens"] / 1e6 for r in pts], [get(r, ds) for r in pts], "o-",
+                        color=f"C{i}", alpha=0.5 + 0.5 * recipe[1],
+                        label=f"{ds} (steps {recipe[0]}, soft {recipe[1]:g})")
+        shipped = [r for r in rows if r["size"] == 0]
+        for r in shipped:  # the shipped drafter, as a reference line per set
+            for i, ds in enumerate(("gsm8k", "humaneval", "mtbench")):
+                ax.axhline(get(r, ds), color=f"C{i}", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("corpus response tokens (M)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("drafter learning curve (replay, 8 prompts a set, 128 tokens; dotted: the shipped drafter)")
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+    return PLOT
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="500000,1000000,2000000", help="response tokens per point")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--soft-weight", type=float, default=0.5)
+    p.add_argument("--corpus", default=str(ROOT / "corpus" / "smollm2-135m"))
+    p.add_argument("--plot", action="store_true", help="only draw the plot from the results file")
+    p.add_argument("--add-shipped", metavar="REPLAY_JSON",
+                   help="record the shipped drafter's replay (bench --replay with the same flags) as size 0")
+    args = p.parse_args()
+    if args.add_shipped:
+        replay = json.loads(Path(args.add_shipped).read_text())
+        row = {"name": "shipped", "size": 0, "response_tokens": None, "steps": 6000, "soft_weight": 0.0,
+               "top1": {ds: v["recall"]["1"][0] for ds, v in replay["positions"].items()},
+               "tau": _taus(replay), "machine": replay["machine"], "date": time.strftime("%Y-%m-%d"),
+               "command": replay["command"]}
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        with RESULTS.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        return
+    if args.plot:
+        print(plot())
+        return
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    for size in (int(s) for s in args.sizes.split(",")):
+        if point_name(size, args) in done_points():
+            continue
+        row = run_point(size, args)
+        with RESULTS.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
