@@ -413,8 +413,9 @@ def test_a_failed_forward_opens_no_prompt_and_frees_its_seat(tiny_target, monkey
     with pytest.raises(RuntimeError, match="boom"):
         v.verify_batch(calls)
     monkeypatch.undo()
-    assert list(v.sessions) == ["s0"] and v.sessions.memory().in_use_bytes == v.sessions["s0"].positions * (
-        v.sessions.bytes_per_token)
+    assert list(v.sessions) == ["s0"] and not v._seated  # no seat reserves bytes any more
+    assert v.sessions.memory().in_use_bytes == v.kv_store.nbytes  # s0's slot and its page's slack
+    assert [len(p._used) for pages in v.kv_store.pages.values() for p in pages] == [1]
     got = v.verify_batch(calls)  # the seat is free again
     assert isinstance(got[0], VerifyResult) and isinstance(got[1], PrefillResult)
 

@@ -101,8 +101,10 @@ class DFlashDrafter(Drafter):
         self.max_budget = max_budget
         per_token = kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                        model.fc.weight.dtype)
-        self.sessions: SessionTable[_DraftSession] = SessionTable("drafter", max_sessions, per_token,
-                                                                  max_kv_bytes)
+        # the budget counts the bytes the sessions' buffers hold, growth room included
+        self.sessions: SessionTable[_DraftSession] = SessionTable(
+            "drafter", max_sessions, per_token, max_kv_bytes,
+            held_bytes=lambda: sum(s.kv.nbytes for s in list(self.sessions.values())))
 
     @property
     def config(self):
@@ -157,7 +159,9 @@ class DFlashDrafter(Drafter):
         if not delta.tokens:
             raise InvalidArgumentError("prefill.delta: empty prompt")
         self._check_delta(delta)
-        seat = self.sessions.seat(session_id, len(delta.tokens), restart)
+        n = len(delta.tokens)
+        seat = self.sessions.seat(session_id, SessionKV.private_capacity(n) * self.sessions.bytes_per_token,
+                                  restart, f"a prefill of {n} tokens")
         try:
             ngram = NGramModel(order=3, vocab_size=self.vocab_size)
             ngram.update(list(delta.tokens))
@@ -176,7 +180,8 @@ class DFlashDrafter(Drafter):
         if not delta.tokens:
             raise InvalidArgumentError("commit.delta.tokens: empty (a round commits at least its anchor)")
         self._check_delta(delta)
-        self.sessions.admit(len(delta.tokens), f"a commit of {len(delta.tokens)} tokens")
+        self.sessions.admit(s.kv.growth_bytes(s.kv.length + len(delta.tokens)),
+                            f"a commit of {len(delta.tokens)} tokens")
         s.kv.append(self._context_kv(delta))
         s.ngram.update(list(delta.tokens), history=s.tokens)
         s.tokens.extend(delta.tokens)

@@ -85,6 +85,7 @@ class HFVerifier(Verifier):
         name: str = "",
         max_kv_bytes: int | None = None,  # the sessions' KV budget (None: no budget)
         prefill_chunk: int = 512,  # tokens per prefill forward
+        kv_min_capacity: int = 256,  # a session's smallest KV slot (positions); classes double from it
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
@@ -110,14 +111,16 @@ class HFVerifier(Verifier):
         self.eos_token_ids = tuple(eos_token_ids)
         self.name = name or model.config.name_or_path
         self.prefill_chunk = prefill_chunk
+        # sessions' KV as slots of shared pages: one attention call reads many AR steps in place
+        self.kv_store = KVStore.for_model(model, min_capacity=kv_min_capacity)
+        # the budget counts what the pages really hold (slots of a capacity class, page slack)
         self.sessions: SessionTable[_Session] = SessionTable(
             "verifier", self.limits.max_sessions, target_kv_bytes_per_token(model.config, model.dtype),
-            max_kv_bytes,
+            max_kv_bytes, held_bytes=lambda: self.kv_store.nbytes,
         )
+        self._seated: dict[int, int] = {}  # seat number -> entries its prompt will hold
         # one position's feature row: the response size of a prefill or verify follows from it
         self.feature_row_bytes = len(self.target_layer_ids) * model.config.hidden_size * model.dtype.itemsize
-        # sessions' KV as slots of shared pages: one attention call reads many AR steps in place
-        self.kv_store = KVStore.for_model(model)
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
 
@@ -205,7 +208,7 @@ class HFVerifier(Verifier):
         (a deadline, a cancelled call) leaves the table as it was.
         """
         self._check_prompt(token_ids, anchor)
-        seat = self.sessions.seat(session_id, len(token_ids), restart)
+        seat = self._seat(session_id, len(token_ids), restart)
         try:
             kv, feats = self.kv_store.session(), []
             for start in range(0, len(token_ids), self.prefill_chunk):
@@ -221,8 +224,36 @@ class HFVerifier(Verifier):
                                                 torch.cat(feats) if len(feats) > 1 else feats[0])
             self.sessions.open(seat, session)
         finally:
-            self.sessions.release(seat)
+            self._unseat(seat)
         return result
+
+    # -- KV admission: by the bytes the store would allocate ------------------------------
+    def _placement_cost(self, pending: list[int], n: int) -> int:
+        """Bytes a new slot of ``n`` entries adds, after the slots ``pending`` will take."""
+        store = self.kv_store
+        return store.placement_bytes([*pending, n]) - store.placement_bytes(pending)
+
+    def _seat(self, session_id: str, n_tokens: int, restart: bool, pending: Sequence[int] = ()) -> Seat:
+        cost = self._placement_cost([*self._seated.values(), *pending], n_tokens)
+        seat = self.sessions.seat(session_id, cost, restart, f"a prefill of {n_tokens} tokens")
+        self._seated[seat.number] = n_tokens
+        return seat
+
+    def _unseat(self, seat: Seat) -> None:
+        self._seated.pop(seat.number, None)
+        self.sessions.release(seat)  # a no-op once opened
+
+    def _admit_tree(self, s: _Session, tree: TokenTree, pending: list[int], admitted: int) -> int:
+        """Admit a tree's KV (nothing when it fits the session's slot) after ``admitted``
+        bytes and ``pending`` slots of the same batch; returns its bytes, and appends the
+        slot it moves to (if any) to ``pending``."""
+        need = s.kv.length + len(tree.tokens)
+        if need <= s.kv.capacity:
+            return 0
+        cost = self._placement_cost([*self._seated.values(), *pending], need)
+        self.sessions.admit(admitted + cost, f"a verify of {len(tree.tokens)} nodes")
+        pending.append(need)
+        return cost
 
     def _check_prompt(self, token_ids: Sequence[int], anchor: int | None) -> None:
         if not token_ids:
@@ -253,7 +284,7 @@ class HFVerifier(Verifier):
         self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
     ) -> VerifyResult:
         s = self._check(session_id, base, tree)
-        self.sessions.admit(len(tree.tokens), f"a verify of {len(tree.tokens)} nodes")
+        self._admit_tree(s, tree, [], 0)
         return self._run([(s, VerifyCall(session_id, base, tree, want_node_probs))], [])[0]
 
     @torch.inference_mode()
@@ -273,6 +304,8 @@ class HFVerifier(Verifier):
         verifies: list[tuple[int, _Session]] = []
         prompts: list[tuple[int, Seat]] = []
         seen: set[str] = set()
+        pending: list[int] = []  # slots this batch's trees move to, not yet allocated
+        admitted = 0  # their bytes (the prompts' are their seats')
         try:
             for j, c in enumerate(calls):
                 try:
@@ -284,10 +317,10 @@ class HFVerifier(Verifier):
                     seen.add(c.session_id)
                     if isinstance(c, PrefillCall):
                         self._check_prompt(c.token_ids, c.anchor)
-                        prompts.append((j, self.sessions.seat(c.session_id, len(c.token_ids), c.restart)))
+                        prompts.append((j, self._seat(c.session_id, len(c.token_ids), c.restart, pending)))
                     else:
                         s = self._check(c.session_id, c.base, c.tree)
-                        self.sessions.admit(len(c.tree.tokens), f"a verify of {len(c.tree.tokens)} nodes")
+                        admitted += self._admit_tree(s, c.tree, pending, admitted)
                         verifies.append((j, s))
                 except EngineError as e:
                     out[j] = e
@@ -298,7 +331,7 @@ class HFVerifier(Verifier):
                     out[j] = a
         finally:
             for _, seat in prompts:
-                self.sessions.release(seat)  # a no-op for the ones that opened
+                self._unseat(seat)
         return out
 
     # -- verification steps, shared by verify and verify_batch ----------------------------

@@ -1,11 +1,13 @@
 """The session table both engines keep: lookup, caps, explicit close and a TTL reaper.
 
 A dict (tests and tools read it as one) plus the bookkeeping every engine needs around
-it. Two caps: the number of sessions, and the bytes of KV they hold (``KVMemory``):
-each session holds ``positions`` cached positions of ``bytes_per_token`` bytes each. A
-call that would pass either cap is refused before anything is allocated. A Prefill takes
-its place (a seat) before it builds the session, so that calls run between the chunks
-of a long prefill cannot take the room it was admitted to.
+it. Two caps: the number of sessions, and the bytes of KV they hold (``KVMemory``). The
+bytes held are the engine's own count of what its KV buffers really take (``held_bytes``:
+slots, growth room and page slack included), not positions times a cost; a call is
+admitted by the bytes it would allocate, and one that would pass either cap is refused
+before anything is allocated. A Prefill takes its place (a seat) before it builds the
+session, so that calls run between the chunks of a long prefill cannot take the room it
+was admitted to.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -61,9 +64,13 @@ class Seat:
 
 class SessionTable(dict[str, S], Generic[S]):
     def __init__(
-        self, kind: str, max_sessions: int, bytes_per_token: int = 0, budget_bytes: int | None = None
+        self, kind: str, max_sessions: int, bytes_per_token: int = 0, budget_bytes: int | None = None,
+        held_bytes: Callable[[], int] | None = None,
     ) -> None:
+        """``held_bytes``: the bytes the engine's KV buffers hold now (None: the sessions'
+        ``positions`` times ``bytes_per_token``, for engines whose KV is exactly that)."""
         super().__init__()
+        self._held_bytes = held_bytes
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"{kind}: the KV budget must be > 0 bytes (got {budget_bytes})")
         self.kind, self.max_sessions = kind, max_sessions
@@ -79,16 +86,19 @@ class SessionTable(dict[str, S], Generic[S]):
             return self._in_use()
 
     def _in_use(self) -> int:
-        held = sum(s.positions for s in self.values()) * self.bytes_per_token
+        if self._held_bytes is not None:
+            held = self._held_bytes()
+        else:
+            held = sum(s.positions for s in self.values()) * self.bytes_per_token
         return held + sum(seat.nbytes for seat in self._seats.values())
 
     def memory(self) -> KVMemory:
         return KVMemory(self.bytes_per_token, self.budget_bytes, self.in_use_bytes())
 
-    def admit(self, positions: int, what: str) -> None:
-        """Refuse a call that needs ``positions`` more KV positions than the budget has left."""
+    def admit(self, nbytes: int, what: str) -> None:
+        """Refuse a call that would allocate ``nbytes`` more KV than the budget has left."""
         with self._lock:
-            self._admit(positions * self.bytes_per_token, what)
+            self._admit(nbytes, what)
 
     def _admit(self, nbytes: int, what: str) -> None:
         if self.budget_bytes is None:
@@ -111,12 +121,13 @@ class SessionTable(dict[str, S], Generic[S]):
         s.last_used = time.monotonic()
         return s
 
-    def seat(self, session_id: str, positions: int, restart: bool = False) -> Seat:
+    def seat(self, session_id: str, nbytes: int, restart: bool = False, what: str = "a prefill") -> Seat:
         """Reserve a new session's place, or refuse: ALREADY_EXISTS for an open id without
         ``restart``, RESOURCE_EXHAUSTED over the session cap or the KV budget.
 
-        A restart replaces the open session once the new one is built; until then both are
-        held, so it needs room for the new one beside the old.
+        ``nbytes``: what the new session's KV will allocate. A restart replaces the open
+        session once the new one is built; until then both are held, so it needs room for
+        the new one beside the old.
         """
         with self._lock:
             taken = session_id in self or any(s.session_id == session_id for s in self._seats.values())
@@ -127,8 +138,7 @@ class SessionTable(dict[str, S], Generic[S]):
                 )
             if session_id not in self and len(self) + len(self._seats) >= self.max_sessions:
                 raise LimitExceededError(f"{self.kind}: {self.max_sessions} sessions open (max)")
-            nbytes = positions * self.bytes_per_token
-            self._admit(nbytes, f"a prefill of {positions} tokens")
+            self._admit(nbytes, what)
             seat = Seat(next(self._numbers), session_id, nbytes)
             self._seats[seat.number] = seat
             return seat

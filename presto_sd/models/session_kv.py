@@ -64,9 +64,29 @@ class KVPage:
             self._used.add(slot)
             return slot
 
-    def give(self, slot: int) -> None:
+    def give(self, slot: int) -> bool:
+        """Free ``slot``; whether the page is now empty."""
         with self._lock:
             self._used.discard(slot)
+            return not self._used
+
+    @property
+    def slot_nbytes(self) -> int:
+        return 2 * self.layers * self.shape[0] * self.capacity * self.shape[1] * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_nbytes
+
+    def growth_plan(self, wanted: int) -> tuple[int, int]:
+        """``(taken, slots allocated)`` if ``wanted`` more sessions took slots here, as ``take`` would."""
+        used, slots = len(self._used), self.slots
+        taken = min(wanted, self.max_slots - used)
+        need = used + taken
+        grown = slots
+        while grown < need:
+            grown = min(self.max_slots, 2 * grown)
+        return taken, grown - slots
 
 
 class KVStore:
@@ -74,7 +94,9 @@ class KVStore:
 
     A session lives in one slot; outgrowing it moves it to a slot of the next class (a copy
     of its committed part, amortised O(1) per token). Slots come back when a session's
-    ``SessionKV`` is dropped, however its session ends.
+    ``SessionKV`` is dropped, however its session ends, and a page whose last slot comes
+    back is freed. ``nbytes`` is what the pages hold; ``placement_bytes`` what placing
+    more sessions would add to it: the verifier's KV budget admits by these two.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -83,6 +105,7 @@ class KVStore:
         self.device = torch.device(device)
         self.page_slots, self.min_capacity = page_slots, min_capacity
         self.pages: dict[int, list[KVPage]] = {}
+        self._lock = threading.RLock()  # finalizers give slots back from any thread, even inside place
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, **kwargs) -> KVStore:
@@ -91,25 +114,70 @@ class KVStore:
     def session(self) -> SessionKV:
         return SessionKV(self.layers, *self.shape, self.dtype, self.device, store=self)
 
-    def place(self, n: int) -> tuple[KVPage, int]:
-        """A free slot that holds ``n`` entries."""
+    def capacity_for(self, n: int) -> int:
         capacity = self.min_capacity
         while capacity < n:
             capacity *= 2
-        pages = self.pages.setdefault(capacity, [])
-        for page in pages:
-            if (slot := page.take()) is not None:
-                return page, slot
-        page = KVPage(self.layers, self.shape, self.dtype, self.device, capacity, self.page_slots,
-                      shared=True)
-        pages.append(page)
-        return page, page.take()
+        return capacity
+
+    def place(self, n: int) -> tuple[KVPage, int]:
+        """A free slot that holds ``n`` entries."""
+        with self._lock:
+            capacity = self.capacity_for(n)
+            pages = self.pages.setdefault(capacity, [])
+            for page in list(pages):  # a collection inside take may free (and drop) a page
+                if (slot := page.take()) is not None:
+                    if page not in pages:  # dropped empty by that collection: held again
+                        self.pages.setdefault(capacity, []).append(page)
+                    return page, slot
+            page = KVPage(self.layers, self.shape, self.dtype, self.device, capacity, self.page_slots,
+                          shared=True)
+            self.pages.setdefault(capacity, []).append(page)
+            return page, page.take()
+
+    def give(self, page: KVPage, slot: int) -> None:
+        """A session's slot back; an empty page is freed (its memory goes back at once)."""
+        with self._lock:
+            if page.give(slot):
+                pages = self.pages.get(page.capacity, [])
+                if page in pages:
+                    pages.remove(page)
+                if not pages:
+                    self.pages.pop(page.capacity, None)
+
+    def placement_bytes(self, sizes: Sequence[int]) -> int:
+        """Bytes that placing one new slot for each of ``sizes`` entries would allocate.
+
+        Exact for ``place`` as it runs: free slots first, pages grown by doubling in page
+        order, new pages last. Order-independent within a class, so a batch's calls can be
+        admitted one by one against the bytes of all before them.
+        """
+        wanted: dict[int, int] = {}
+        for n in sizes:
+            c = self.capacity_for(n)
+            wanted[c] = wanted.get(c, 0) + 1
+        total = 0
+        with self._lock:
+            for capacity, k in wanted.items():
+                for page in self.pages.get(capacity, []):
+                    taken, grown = page.growth_plan(k)
+                    total += grown * page.slot_nbytes
+                    k -= taken
+                slot_nbytes = 2 * self.layers * self.shape[0] * capacity * self.shape[1] * self.dtype.itemsize
+                while k > 0:  # new pages: 1, 2, 4 ... page_slots slots
+                    take = min(k, self.page_slots)
+                    slots = 1
+                    while slots < take:
+                        slots = min(self.page_slots, 2 * slots)
+                    total += slots * slot_nbytes
+                    k -= take
+        return total
 
     @property
     def nbytes(self) -> int:
         """Bytes the pages hold (every slot allocated, free or not)."""
-        return sum(t.numel() * t.element_size() for pages in self.pages.values() for p in pages
-                   for t in (*p.keys, *p.values))
+        with self._lock:
+            return sum(p.nbytes for pages in self.pages.values() for p in pages)
 
 
 class SessionKV:
@@ -117,8 +185,10 @@ class SessionKV:
 
     ``length`` entries are committed. Without a store the session has a page of its own,
     that grows to 1.5x what it needs; in a store (the verifier's) it moves to the next
-    capacity class. The session tables' KV budget counts committed positions: the growth
-    room is up to as much again.
+    capacity class. The engines' KV budgets count the bytes the slots hold (``nbytes``),
+    growth room included, and admit a call by what it would allocate (``growth_bytes``).
+    While a session moves, its old slot and its new one are both held: that copy is the
+    only moment the bytes held pass what was admitted, by one slot.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -155,6 +225,20 @@ class SessionKV:
         kv_heads, head_dim = self._shape
         return self.capacity * self.bytes_per_token(self._layers, kv_heads, head_dim, self.dtype)
 
+    def growth_bytes(self, n: int) -> int:
+        """Bytes ``reserve(n)`` would allocate (0 when ``n`` fits)."""
+        if n <= self.capacity:
+            return 0
+        if self.store is not None:
+            return self.store.placement_bytes([n])
+        kv_heads, head_dim = self._shape
+        return self.private_capacity(n) * self.bytes_per_token(self._layers, kv_heads, head_dim, self.dtype)
+
+    @staticmethod
+    def private_capacity(n: int) -> int:
+        """The capacity a page of its own takes to hold ``n`` entries: room to grow, whole key blocks."""
+        return -(-int(n * _GROWTH) // _ROUND) * _ROUND
+
     @staticmethod
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -166,14 +250,14 @@ class SessionKV:
         if self.store is not None:
             page, slot = self.store.place(n)
         else:
-            page, slot = self._private(-(-int(n * _GROWTH) // _ROUND) * _ROUND), 0
+            page, slot = self._private(self.private_capacity(n)), 0
         for new, old in ((page.keys, self.page.keys), (page.values, self.page.values)):
             for t_new, t_old in zip(new, old):
                 t_new[slot, :, : self.length] = t_old[self.slot, :, : self.length]
         if self._release is not None:
             self._release()  # the old slot is free again
         self.page, self.slot = page, slot
-        self._release = weakref.finalize(self, page.give, slot) if page.shared else None
+        self._release = weakref.finalize(self, self.store.give, page, slot) if page.shared else None
 
     def write(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
