@@ -166,16 +166,18 @@ def _live(stack) -> dict:
     generate_request = make_request(PROMPT, method="marginal", max_new_tokens=4)
     draft_params = common_pb2.TreeParams(method="marginal", budget=8, depth=4)
     return {
-        ("verifier", "Prefill"): verifier_pb2.VerifierPrefillRequest(session_id="fz-p", token_ids=PROMPT),
+        ("verifier", "Prefill"): verifier_pb2.VerifierPrefillRequest(session_id="fz-p", token_ids=PROMPT,
+                                                                      restart=True),
         ("verifier", "Verify"): verify,
         ("verifier", "VerifyBatch"): verifier_pb2.VerifyBatchRequest(items=[verify]),
         ("verifier", "Step"): verifier_pb2.StepRequest(session=ref, anchor=pre.anchor),
-        ("verifier", "Close"): common_pb2.CloseRequest(session_id="fz-gone"),
+        ("verifier", "Close"): common_pb2.CloseRequest(session_id="fz-p"),
         ("verifier", "Info"): common_pb2.InfoRequest(),
-        ("drafter", "Prefill"): drafter_pb2.DrafterPrefillRequest(session_id="fz-p", delta=delta),
+        ("drafter", "Prefill"): drafter_pb2.DrafterPrefillRequest(session_id="fz-p", delta=delta,
+                                                                  restart=True),
         ("drafter", "Draft"): drafter_pb2.DraftRequest(session=ref, anchor=pre.anchor, params=draft_params),
         ("drafter", "Commit"): drafter_pb2.CommitRequest(session=ref, delta=commit_delta),
-        ("drafter", "Close"): common_pb2.CloseRequest(session_id="fz-gone"),
+        ("drafter", "Close"): common_pb2.CloseRequest(session_id="fz-p"),
         ("drafter", "Info"): common_pb2.InfoRequest(),
         ("orchestrator", "Generate"): generate_request,
         ("orchestrator", "GenerateBatch"): orchestrator_pb2.GenerateBatchRequest(
@@ -200,12 +202,36 @@ def _bounded(msg) -> None:
                 r.max_new_tokens = 8
 
 
+# the order of the valid round: each template is sent as it is, on a freshly opened live
+# session, so every one must be OK (a Prefill before the Close of its session)
+VALID_ORDER = [("verifier", "Info"), ("verifier", "Prefill"), ("verifier", "Close"), ("verifier", "Verify"),
+               ("verifier", "Step"), ("verifier", "VerifyBatch"), ("drafter", "Info"), ("drafter", "Prefill"),
+               ("drafter", "Close"), ("drafter", "Draft"), ("drafter", "Commit"), ("orchestrator", "Info"),
+               ("orchestrator", "Generate"), ("orchestrator", "GenerateBatch"), ("health", "Check")]
+
+
+def valid_round(stack, channels: dict, deadline_s: float) -> Tally:
+    """Every method's template, unmutated: what the fuzz mutates is known to be a valid call."""
+    tally = Tally()
+    for service_name, method in VALID_ORDER:
+        template = _live(stack)[(service_name, method)]
+        streaming = (service_name, method) == ("orchestrator", "Generate")
+        code, details = send(channels[service_name], PATHS[service_name] + method,
+                             template.SerializeToString(), streaming, deadline_s)
+        tally.add(service_name, method, code, details, b"")
+    return tally
+
+
 def run_fuzz(stack, calls: int, seed: int, deadline_s: float = 30.0) -> tuple[Tally, float]:
     rng = random.Random(seed)
     channels = {k: make_channel(stack[k].address if k in ("verifier", "drafter") else stack["orchestrator"])
                 for k in ("verifier", "drafter", "orchestrator")}
     channels["health"] = make_channel(stack["verifier"].address)
-    tally, t0 = Tally(), time.perf_counter()
+    t0 = time.perf_counter()
+    valid = valid_round(stack, channels, deadline_s)
+    not_ok = sorted((m, c) for (sv, m, c), n in valid.by_method.items() if c != "OK")
+    assert not not_ok and set(VALID_ORDER) == set(_live(stack)), not_ok  # the templates are calls that work
+    tally = valid
     templates = _live(stack)
     by_service = {s: [k for k in templates if k[0] == s] for s in PATHS}
     for i in range(calls):
@@ -269,10 +295,18 @@ def _report(name: str, tally: Tally, wall_s: float) -> None:
             f.write(json.dumps(summary) + "\n")
 
 
+def _assert_fuzz_rule(tally: Tally) -> None:
+    """No code outside the named ones, and every method answered OK past the valid round:
+    a fuzz whose calls all failed to parse would pass the first rule alone."""
+    assert not tally.bad, tally.bad[:5]
+    silent = [key for key in VALID_ORDER if tally.ok(*key) < 2]
+    assert not silent, (silent, dict(tally.by_method))
+
+
 def test_short_fuzz_of_all_three_services(tiny_target, stack):
     tally, wall_s = run_fuzz(stack, calls=600, seed=18)
     _report("short", tally, wall_s)
-    assert not tally.bad, tally.bad[:5]
+    _assert_fuzz_rule(tally)
     _after_the_fuzz(tiny_target, stack)
 
 
@@ -280,7 +314,7 @@ def test_short_fuzz_of_all_three_services(tiny_target, stack):
 def test_fuzz_of_ten_thousand_calls(tiny_target, stack):
     tally, wall_s = run_fuzz(stack, calls=10_000, seed=1018)
     _report("slow", tally, wall_s)
-    assert not tally.bad, tally.bad[:5]
+    _assert_fuzz_rule(tally)
     _after_the_fuzz(tiny_target, stack)
 
 
@@ -288,12 +322,20 @@ def test_health_answers_while_the_fuzz_runs(stack):
     """A second client fuzzes while health checks are timed: none waits a second."""
     done = threading.Event()
     worst: list[float] = []
+    failures: list[BaseException | str] = []  # a thread's assert only warns: carried out here
 
     def probe() -> None:
         stub = health_pb2_grpc.HealthStub(make_channel(stack["verifier"].address))
         while not done.is_set():
             t0 = time.perf_counter()
-            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            except grpc.RpcError as e:
+                failures.append(e)
+                return
+            if status != SERVING:
+                failures.append(f"health status {status}")
+                return
             worst.append(time.perf_counter() - t0)
             time.sleep(0.05)
 
@@ -304,5 +346,6 @@ def test_health_answers_while_the_fuzz_runs(stack):
     finally:
         done.set()
         prober.join()
+    assert not failures, failures
     assert not tally.bad, tally.bad[:5]
     assert worst and max(worst) < 1.0, max(worst)

@@ -104,6 +104,7 @@ def test_bad_verifier_input_gets_its_code(tiny_target, stack):
     stub = verifier_pb2_grpc.VerifierServiceStub(make_channel(vs.address))
     ok = stub.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="bad-v", token_ids=[0, 3]), timeout=10)
     ref = common_pb2.SessionRef(session_id="bad-v", base=ok.base)
+    ar = hf_greedy(tiny_target, [0, 3], 2)
     bad = [
         (stub.Prefill, verifier_pb2.VerifierPrefillRequest(session_id="x"), CODE.INVALID_ARGUMENT,
          "prefill.token_ids: empty"),
@@ -139,11 +140,16 @@ def test_bad_verifier_input_gets_its_code(tiny_target, stack):
          "depth 65 exceeds the limit 64"),
         (stub.Close, common_pb2.CloseRequest(session_id="nope"), CODE.NOT_FOUND, "not found"),
     ]
-    for method, request, code, needle in bad:
+    assert ok.anchor == ar[0]
+    for i, (method, request, code, needle) in enumerate(bad):
         _call(method, request, code, needle)
-    # the session the bad calls aimed at is intact: it still steps from where it was
-    res = stub.Step(verifier_pb2.StepRequest(session=ref, anchor=ok.anchor), timeout=10)
-    assert res.base == ok.base + 1 and res.delta.start == ok.base
+        # after each refused call the session it aimed at is intact: a correct Step from where
+        # it was gives the AR token (then the session is opened again at that point)
+        res = stub.Step(verifier_pb2.StepRequest(session=ref, anchor=ok.anchor), timeout=10)
+        assert (res.bonus, res.base, res.delta.start) == (ar[1], ok.base + 1, ok.base), (i, needle)
+        again = stub.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="bad-v", token_ids=[0, 3],
+                                                                 restart=True), timeout=10)
+        assert (again.anchor, again.base) == (ok.anchor, ok.base)
     stub.Close(common_pb2.CloseRequest(session_id="bad-v"), timeout=10)
 
 
@@ -184,10 +190,25 @@ def test_bad_drafter_input_gets_its_code(stack):
         (stub.Prefill, drafter_pb2.DrafterPrefillRequest(session_id="p", delta=common_pb2.FeatureDelta(
             start=2, tokens=[1], features=_feats(1, width))), CODE.INVALID_ARGUMENT, "prefill.delta.start"),
     ]
-    for method, request, code, needle in bad:
+    twin = drafter_pb2.DrafterPrefillRequest(session_id="twin-d", delta=delta)
+    stub.Prefill(twin, timeout=10)  # untouched by the bad calls: what "intact" means
+    stub.Commit(drafter_pb2.CommitRequest(session=common_pb2.SessionRef(session_id="twin-d", base=3),
+                delta=common_pb2.FeatureDelta(start=3, tokens=(7,), features=_feats(1, width))), timeout=10)
+    want = stub.Draft(drafter_pb2.DraftRequest(session=common_pb2.SessionRef(session_id="twin-d", base=4),
+                      anchor=2, params=common_pb2.TreeParams(method="marginal", budget=8)), timeout=10)
+    for i, (method, request, code, needle) in enumerate(bad):
         _call(method, request, code, needle)
-    assert stub.Commit(commit(_feats(1, width)), timeout=10).base == 4  # the session is intact
-    stub.Close(common_pb2.CloseRequest(session_id="bad-d"), timeout=10)
+        # after each refused call the session is intact: a correct commit and draft give the
+        # twin's tree (then the session is opened again at that point)
+        assert stub.Commit(commit(_feats(1, width)), timeout=10).base == 4, (i, needle)
+        got = stub.Draft(drafter_pb2.DraftRequest(session=common_pb2.SessionRef(session_id="bad-d", base=4),
+                         anchor=2, params=common_pb2.TreeParams(method="marginal", budget=8)), timeout=10)
+        assert (list(got.tree.tokens), list(got.tree.parents)) == (list(want.tree.tokens),
+                                                                   list(want.tree.parents)), (i, needle)
+        stub.Prefill(drafter_pb2.DrafterPrefillRequest(session_id="bad-d", delta=delta, restart=True),
+                     timeout=10)
+    for sid in ("bad-d", "twin-d"):
+        stub.Close(common_pb2.CloseRequest(session_id=sid), timeout=10)
 
 
 def test_session_cap(tiny_target):
@@ -256,9 +277,15 @@ def stubs(stack):
     dchannel.close()
 
 
+@pytest.fixture(scope="module")
+def fuzz_ar(tiny_target) -> list[int]:
+    """AR's continuation of the fuzz session's prompt [0, 3] (a tree accepts at most 11)."""
+    return hf_greedy(tiny_target, [0, 3], 16)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), tree=tree_msgs(), tokens=st.lists(st.integers(-1, 17), max_size=4))
-def test_fuzzed_trees_and_tensors_never_crash_a_server(stubs, data, tree, tokens):
+def test_fuzzed_trees_and_tensors_never_crash_a_server(stubs, fuzz_ar, data, tree, tokens):
     vstub, dstub = stubs
     pre = vstub.Prefill(verifier_pb2.VerifierPrefillRequest(
         session_id="fuzz", token_ids=[0, 3], restart=True), timeout=10)  # each example starts it anew
@@ -277,13 +304,20 @@ def test_fuzzed_trees_and_tensors_never_crash_a_server(stubs, data, tree, tokens
         (dstub.Prefill, drafter_pb2.DrafterPrefillRequest(session_id="fuzz2", delta=common_pb2.FeatureDelta(
             start=0, tokens=tokens, features=features), restart=True)),
     ]
+    base = 2
     for method, request in calls:
         try:
-            method(request, timeout=10)
+            res = method(request, timeout=10)
             event(f"{method._method.decode()}: OK")
+            if method is vstub.Verify:
+                base = res.base  # a valid tree: the session moved on, losslessly
         except grpc.RpcError as e:
             event(f"{method._method.decode()}: {e.code().name}")
             assert e.code() in ANY_OK, (e.code(), e.details())
+    # whatever was refused changed nothing: a Step from where the session is gives AR's token
+    step = vstub.Step(verifier_pb2.StepRequest(session=common_pb2.SessionRef(session_id="fuzz", base=base),
+                                               anchor=fuzz_ar[base - 2]), timeout=10)
+    assert (step.bonus, step.base) == (fuzz_ar[base - 1], base + 1)
     # both servers still answer well-formed calls (and a whole generation, below)
     assert vstub.Info(common_pb2.InfoRequest(), timeout=10).vocab_size == 16
     assert dstub.Info(common_pb2.InfoRequest(), timeout=10).vocab_size == 16
