@@ -65,11 +65,13 @@ def owned(tiny_target):
 
 
 def test_another_principal_cannot_read_alter_or_close_a_session(tiny_target, owned, caplog):
-    clients, vs, _ = owned
+    clients, vs, ds = owned
     (av, ad), (bv, bd) = clients["alice"], clients["bob"]
     caplog.set_level(logging.INFO, logger="presto_sd.rpc")
     pre = av.prefill("sess-secret-id", PROMPT)
     ad.prefill("sess-secret-id", pre.delta)
+    params = TreeParams("marginal", budget=8)
+    alice_draft = ad.draft("sess-secret-id", pre.anchor, pre.base, params).tree
     root, row = TokenTree.root_only(pre.anchor), FeatureDelta(pre.base, (pre.anchor,), pre.delta.features[:1])
     # bob: the id names nothing of his, whatever he does with it
     for call in (lambda: bv.step("sess-secret-id", pre.base, pre.anchor),
@@ -94,10 +96,17 @@ def test_another_principal_cannot_read_alter_or_close_a_session(tiny_target, own
         out.append(res.bonus)
         base, anchor = res.base, res.bonus
     assert out == hf_greedy(tiny_target, PROMPT, 8)
-    engine = vs.server.servicer.engine
-    assert set(engine.sessions) == {"alice/sess-secret-id", "bob/sess-secret-id"}
-    av.close("sess-secret-id")
-    bv.close("sess-secret-id")
+    for server in (vs, ds):  # each engine keeps the two principals' sessions apart
+        assert set(server.server.servicer.engine.sessions) == {"alice/sess-secret-id", "bob/sess-secret-id"}
+    # alice's drafter session too: her draft is what it was before bob's calls
+    again = ad.draft("sess-secret-id", pre.anchor, pre.base, params).tree
+    assert (again.tokens, again.parents) == (alice_draft.tokens, alice_draft.parents)
+    bob_draft = bd.draft("sess-secret-id", bob_pre.anchor, bob_pre.base, params).tree
+    assert bob_draft.tokens[0] == bob_pre.anchor  # bob's own session, at his own base
+    for v, d in ((av, ad), (bv, bd)):
+        v.close("sess-secret-id")
+        d.close("sess-secret-id")
+    assert not ds.server.servicer.engine.sessions
     # the logs name sessions by a hash of their key, never by the id
     lines = [r.getMessage() for r in caplog.records if '"event": "call"' in r.getMessage()]
     assert lines and not any("sess-secret-id" in line for line in lines)

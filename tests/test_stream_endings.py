@@ -44,15 +44,23 @@ def _params(method: str, n: int = 200) -> GenerationParams:
 
 
 def _engines(model, mode: str, served):
+    """The engines a run calls, and the in-process engines holding its sessions (the
+    embedded ones themselves, or the servers' behind the remote clients)."""
     if mode == "embedded":
-        return make_engines(model)
-    return served[2]
+        verifier, drafter = make_engines(model)
+        return verifier, drafter, (verifier, drafter)
+    return (*served[2], served[:2])
+
+
+def _no_session_left(held) -> None:
+    verifier, drafter = held
+    assert not verifier.sessions and not drafter.sessions, (list(verifier.sessions), list(drafter.sessions))
 
 
 @pytest.mark.parametrize("mode", ["embedded", "grpc"])
 @pytest.mark.parametrize("method", METHODS)
 def test_the_window_ends_the_stream_with_length_and_ar_output(small_window, served, mode, method):
-    verifier, drafter = _engines(small_window, mode, served)
+    verifier, drafter, held = _engines(small_window, mode, served)
     for k, prompt in enumerate([PROMPT, *(PROMPT + [1] * (WINDOW - m - len(PROMPT)) for m in (2, 1))]):
         chunks = list(stream_generate(verifier, drafter, prompt, _params(method)))
         tokens = [t for c in chunks for t in c.tokens]
@@ -61,20 +69,21 @@ def test_the_window_ends_the_stream_with_length_and_ar_output(small_window, serv
         assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
         if k == 0 and method != "ar":  # speculation ran until the window made it stop
             assert any(c.round is not None and c.round.tree_size > 0 for c in chunks)
-    assert not served[0].sessions and not served[1].sessions
+    _no_session_left(held)
 
 
 @pytest.mark.parametrize("mode", ["embedded", "grpc"])
 def test_a_prompt_that_fills_the_window_is_refused(small_window, served, mode):
-    verifier, drafter = _engines(small_window, mode, served)
+    verifier, drafter, held = _engines(small_window, mode, served)
     with pytest.raises(LimitExceededError, match="max_context"):
         generate(verifier, drafter, [1] * WINDOW, _params("marginal"))
+    _no_session_left(held)
 
 
 @pytest.mark.parametrize("mode", ["embedded", "grpc"])
 @pytest.mark.parametrize("method", ["ar", "marginal", "taps"])
 def test_a_resumed_stream_is_the_rest_of_the_unbroken_one(small_window, served, mode, method):
-    verifier, drafter = _engines(small_window, mode, served)
+    verifier, drafter, held = _engines(small_window, mode, served)
     prompt, n = PROMPT[:10], 30
     whole = generate(verifier, drafter, prompt, _params(method, n))
     assert whole.token_ids == hf_greedy(small_window, prompt, n)
@@ -84,7 +93,7 @@ def test_a_resumed_stream_is_the_rest_of_the_unbroken_one(small_window, served, 
         assert chunks[0].tokens == () and chunks[0].round is None
         assert [t for c in chunks for t in c.tokens] == whole.token_ids[cut:], (method, cut)
         assert chunks[-1].finish_reason == "length"
-    assert not served[0].sessions and not served[1].sessions
+    _no_session_left(held)
 
 
 def test_a_resume_at_the_end_or_past_it(small_window):
