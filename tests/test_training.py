@@ -14,7 +14,7 @@ from presto_sd.embedded.stack import build_embedded
 from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
 from presto_sd.models.dflash import DFlashDraftModel
-from presto_sd.models.loading import DEFAULT_DRAFTER, fetch_smollm2
+from presto_sd.models.loading import DEFAULT_DRAFTER
 
 
 def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
@@ -144,11 +144,11 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
         assert res.token_ids == ar.token_ids, method
 
 
-def test_shipped_drafter_matches_the_target():
+def test_shipped_drafter_matches_the_target(smollm2_dir):
     if not (DEFAULT_DRAFTER / "config.json").exists():
         pytest.skip("no drafter shipped yet")
     model = DFlashDraftModel.load(DEFAULT_DRAFTER)
-    target = json.loads((fetch_smollm2() / "config.json").read_text())
+    target = json.loads((smollm2_dir / "config.json").read_text())
     c = model.config
     assert c.hidden_size == target["hidden_size"] and c.vocab_size == target["vocab_size"]
     assert max(c.target_layer_ids) < target["num_hidden_layers"]
