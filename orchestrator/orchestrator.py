@@ -46,6 +46,11 @@ class OrchestratorConfig:
             raise ValueError("max_requests, max_batch and max_batch_tokens must be >= 1")
         if self.max_batch_prefill_tokens < 0:
             raise ValueError("max_batch_prefill_tokens must be >= 0")
+        from presto_sd.models.invariant import MAX_INVARIANT_ROWS
+
+        if self.max_batch_tokens > MAX_INVARIANT_ROWS:  # past it a verifier refuses the batch's tail
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens}: at most {MAX_INVARIANT_ROWS}, the "
+                             "rows a verifier forward's kernels are probed row-invariant for")
 
 
 class RequestStream:

@@ -112,8 +112,20 @@ def test_key_width_is_whole_blocks():
     assert [key_width(n) for n in (1, KEY_BLOCK, KEY_BLOCK + 1)] == [KEY_BLOCK, KEY_BLOCK, 2 * KEY_BLOCK]
 
 
-def test_probe_rows_span_one_to_64():
-    assert min(PROBE_ROWS) == 2 and max(PROBE_ROWS) == 64  # 1 is the padded lone row, probed too
+def test_the_probe_covers_every_call_size_a_forward_may_hold():
+    """The kernels are probed up to the most rows a verifier forward may hold: the
+    orchestrator's batches and a chunked prefill stay inside it, and a VerifyBatch past it
+    is refused call by call (``test_verify_batch``)."""
+    import inspect
+
+    from orchestrator.batching import Batcher
+    from presto_sd.embedded.hf_verifier import HFVerifier
+    from presto_sd.models.invariant import MAX_INVARIANT_ROWS
+
+    assert min(PROBE_ROWS) == 2 and max(PROBE_ROWS) == MAX_INVARIANT_ROWS  # 1: the padded lone row
+    batcher = inspect.signature(Batcher).parameters
+    assert batcher["max_batch_tokens"].default <= MAX_INVARIANT_ROWS
+    assert inspect.signature(HFVerifier).parameters["prefill_chunk"].default <= MAX_INVARIANT_ROWS
 
 
 # -- end to end, on a tiny target ----------------------------------------------------------

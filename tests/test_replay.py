@@ -42,7 +42,11 @@ def test_replay_tau_equals_bench(tiny_target, stop):
     want = {(x["dataset"], x["method"], x["budget"]): x["tau"] for x in table_rows(measured, True)}
     rows = replay_rows(replayed)
     assert rows and all(x["tau"] == want[(x["dataset"], x["method"], x["budget"])] for x in rows)
-    assert max(x["tau"] for x in rows) > 1.0  # trees really accept on the tiny target
+    # the comparison covers deep acceptance: best tau 1.81 / 2.10 and 13 / 11 rounds that
+    # accepted 2+ draft tokens (the two stop settings, 2026-12-03); a drafter that never
+    # accepts would make the equality above trivial
+    assert max(x["tau"] for x in rows) >= 1.5
+    assert sum(x.accepted >= 2 for r in replayed for x in r.rounds) >= 5
 
 
 def test_oracle_walks_the_recorded_continuation(tiny_target):

@@ -203,8 +203,9 @@ def pooled_chi_square_p(observed: torch.Tensor, probs: torch.Tensor) -> float:
     o, e = obs[keep], exp[keep]
     if (~keep).any():
         o, e = torch.cat([o, obs[~keep].sum()[None]]), torch.cat([e, exp[~keep].sum()[None]])
-    if len(e) < 2:
-        return 1.0
+    if len(e) < 2:  # one cell: chi-square has nothing to compare, and a p of 1.0 would pass anything
+        raise ValueError(f"{int(observed.sum())} samples over {len(observed)} cells pool into one: "
+                         "too few to test this law (draw more)")
     return float(chisquare(o.numpy(), e.numpy() * o.sum().item() / e.sum().item()).pvalue)
 
 

@@ -29,7 +29,7 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
                                          target_layer_ids=(0, 1), n_prompts=6, max_new_tokens=12,
                                          batch_size=3))
     assert sorted(p.stat().st_mtime_ns for p in data.glob("shard_*")) == before
-    assert {s.prompt_len for s in seqs} and all(s.prompt_len < len(s.tokens) for s in seqs)
+    assert len({s.prompt_len for s in seqs}) > 1 and all(0 < s.prompt_len < len(s.tokens) for s in seqs)
 
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), target=str(tiny_target_dir),
                       num_layers=1, block_size=4, draft_vocab=64, anchors_per_seq=4, batch_seqs=4,

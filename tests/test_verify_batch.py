@@ -511,3 +511,20 @@ def test_draft_batch_over_grpc_equals_in_process(tiny_target):
     finally:
         remote.shutdown()
         server.stop()
+
+
+def test_a_call_past_the_probed_rows_is_refused_in_its_slot(tiny_target, monkeypatch):
+    """Rows past the call sizes whose kernels were probed row-invariant never share a
+    forward: the call that would pass them is refused in its slot and the others run."""
+    from presto_sd.embedded import hf_verifier
+
+    monkeypatch.setattr(hf_verifier, "MAX_INVARIANT_ROWS", 8)
+    v = HFVerifier(tiny_target, (0, 2))
+    pre = {sid: v.prefill(sid, PROMPTS[0]) for sid in ("a", "b")}
+    small = VerifyCall("a", pre["a"].base, TokenTree.root_only(pre["a"].anchor))
+    wide = VerifyCall("b", pre["b"].base, TokenTree.from_lists([pre["b"].anchor] + [1] * 7, [-1] + [0] * 7))
+    got = v.verify_batch([small, wide])  # 1 + 8 rows > 8
+    assert isinstance(got[0], VerifyResult) and isinstance(got[1], LimitExceededError)
+    assert "probed row-invariant" in str(got[1]) and v.sessions["b"].base == pre["b"].base
+    alone = v.verify_batch([wide])  # a first call runs whatever its size
+    assert isinstance(alone[0], VerifyResult)

@@ -87,8 +87,8 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
     r.add_argument("--max-batch", type=int, default=64,
                    help="trees per verify batch; an AR step is a one-node tree (default: %(default)s)")
     r.add_argument("--max-batch-tokens", type=int, default=1024,
-                   help="tree nodes and prompt tokens per verify batch: new tokens per target forward "
-                        "(default: %(default)s)")
+                   help="tree nodes and prompt tokens per verify batch: new tokens per target forward, "
+                        "at most 1024 (the rows probed row-invariant) (default: %(default)s)")
     r.add_argument("--max-batch-prefill-tokens", type=int, default=512,
                    help="prompt tokens per verify batch: prompts up to this long ride in one target forward "
                         "with other sessions' steps; a longer one is prefilled alone, in chunks; 0: every "

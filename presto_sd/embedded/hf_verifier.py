@@ -53,7 +53,12 @@ from presto_sd.method.acceptance import (
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
-from presto_sd.models.invariant import install_invariant_linears, invariant_linear, pick_linear_kernel
+from presto_sd.models.invariant import (
+    MAX_INVARIANT_ROWS,
+    install_invariant_linears,
+    invariant_linear,
+    pick_linear_kernel,
+)
 from presto_sd.models.packed import Segment, packed_forward
 from presto_sd.models.session_kv import KVStore, SessionKV
 
@@ -297,8 +302,10 @@ class HFVerifier(Verifier):
         slot and stays out of the forward, its session untouched. Each session then walks
         its own nodes with its own generator (so draws are those of sequential ``verify``)
         and keeps its accepted path; each prompt opens its session. Each call's positions
-        are admitted against the KV budget as it is checked. A failure anywhere leaves every
-        session at its base and opens none.
+        are admitted against the KV budget as it is checked. A call that would take the
+        forward past ``MAX_INVARIANT_ROWS`` rows (the call sizes whose kernels were probed
+        row-invariant) is refused in its slot (RESOURCE_EXHAUSTED), unless it is the first.
+        A failure anywhere leaves every session at its base and opens none.
         """
         out: list[BatchAnswer | None] = [None] * len(calls)
         verifies: list[tuple[int, _Session]] = []
@@ -306,6 +313,7 @@ class HFVerifier(Verifier):
         seen: set[str] = set()
         pending: list[int] = []  # slots this batch's trees move to, not yet allocated
         admitted = 0  # their bytes (the prompts' are their seats')
+        rows = 0  # of the one forward: a call that would pass the probed bound waits its turn
         try:
             for j, c in enumerate(calls):
                 try:
@@ -315,6 +323,12 @@ class HFVerifier(Verifier):
                             "this batch"
                         )
                     seen.add(c.session_id)
+                    n = len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens)
+                    if rows and rows + n > MAX_INVARIANT_ROWS:
+                        raise LimitExceededError(
+                            f"verify_batch.calls[{j}]: {rows + n} rows in one forward would pass the "
+                            f"{MAX_INVARIANT_ROWS} whose kernels were probed row-invariant: send it again"
+                        )
                     if isinstance(c, PrefillCall):
                         self._check_prompt(c.token_ids, c.anchor)
                         prompts.append((j, self._seat(c.session_id, len(c.token_ids), c.restart, pending)))
@@ -322,6 +336,7 @@ class HFVerifier(Verifier):
                         s = self._check(c.session_id, c.base, c.tree)
                         admitted += self._admit_tree(s, c.tree, pending, admitted)
                         verifies.append((j, s))
+                    rows += n
                 except EngineError as e:
                     out[j] = e
             if verifies or prompts:

@@ -48,7 +48,11 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 # candidates, fastest first where both are invariant (bf16 here: ATen's is ~2x oneDNN's,
 # whose weights are re-laid out every call); fp32: MKL's rows differ at M = 1, 2-3, 4+
 LINEAR_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"aten": _aten, "onednn": _onednn}
-PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)  # call sizes whose rows must agree
+# call sizes whose rows must agree, up to the most rows a verifier forward may hold
+# (``MAX_INVARIANT_ROWS``: the orchestrator's batches are bounded by it, and a VerifyBatch
+# call past it is refused in its slot); the reference is a call of the largest
+MAX_INVARIANT_ROWS = 1024
+PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 65, 128, 257, 512, MAX_INVARIANT_ROWS)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
