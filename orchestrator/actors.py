@@ -12,6 +12,7 @@ values (``Outcome.error``) so the driver re-raises the engine's own named error.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -147,11 +148,30 @@ def engine_env(kind: str) -> dict[str, str]:
     return {}
 
 
+class VerifierReplica(EngineActor):
+    """A verifier replica's actor: the class name the Ray dashboard lists it under."""
+
+
+class DrafterReplica(EngineActor):
+    """A drafter replica's actor: the class name the Ray dashboard lists it under."""
+
+
+_ACTOR_CLASSES = {"verifier": VerifierReplica, "drafter": DrafterReplica}
+_started = itertools.count()
+
+
+def actor_name(spec: ReplicaSpec, number: int) -> str:
+    """What the Ray dashboard's actors page calls it: kind, replica label, and the how-many-th
+    actor this process started (a replaced replica gets a new name; names must be unique)."""
+    return f"presto-{spec.kind}-{spec.name}-{number}"
+
+
 def start_actor(spec: ReplicaSpec) -> ray.actor.ActorHandle:
     """Start the actor (the engine loads in the background; the first call waits for it)."""
-    cls = ray.remote(EngineActor).options(
+    cls = ray.remote(_ACTOR_CLASSES[spec.kind]).options(
         num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=spec.max_restarts,
-        max_concurrency=1, name=None, runtime_env={"env_vars": engine_env(spec.kind)},
+        max_concurrency=1, name=actor_name(spec, next(_started)),
+        runtime_env={"env_vars": engine_env(spec.kind)},
     )
     return cls.remote(spec.factory, spec.threads)
 

@@ -82,7 +82,11 @@ def add_orchestrator_args(p: argparse.ArgumentParser, up: bool) -> None:
                        help="an existing Ray cluster ('auto': the local one); default: start one")
     r.add_argument("--metrics-export-port", type=int, default=None,
                    help="a Ray started here exports Prometheus metrics on this port")
-    r.add_argument("--ray-dashboard", action="store_true", help="start the Ray dashboard with it")
+    r.add_argument("--ray-dashboard", action="store_true",
+                   help="start the Ray dashboard (http://127.0.0.1:8265) with the Ray started here; off by "
+                        "default: its processes take memory and CPU a small machine's engines need. The "
+                        "engine replicas are actors named presto-<kind>-<replica>-<n> (local engines; "
+                        "remote ones, as up's, are called from this process and are no actors)")
     r.add_argument("--max-requests", type=int, default=256, help="concurrent requests (default: %(default)s)")
     r.add_argument("--max-batch", type=int, default=64,
                    help="trees per verify batch; an AR step is a one-node tree (default: %(default)s)")
