@@ -361,6 +361,45 @@ def test_metrics_are_exported_and_the_dashboard_uses_their_names(stack, metrics_
     json.loads(DASHBOARD.read_text())
 
 
+def _dashboard_queries() -> list[tuple[str, str]]:
+    """``(panel title, PromQL)`` of every target of the shipped Grafana dashboard."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_target, stack, metrics_port,
+                                                                   cancelled, drafter_lost):
+    """Debian's Prometheus scrapes the orchestrator's Ray metrics endpoint during a short load
+    (every method, after a cancel and a lost drafter earlier in this module); every PromQL
+    expression of the shipped Grafana dashboard must then return series carrying the labels
+    it groups by. A panel that shows nothing is a defect."""
+    from tests.prometheus_util import PROMETHEUS, Prometheus
+
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (apt-get install prometheus)")
+    _, client, _ = stack
+    prom = Prometheus([f"127.0.0.1:{metrics_port}"])
+    try:
+        deadline = time.monotonic() + 60
+        while prom.scrapes() < 3 and time.monotonic() < deadline:
+            for i, method in enumerate(METHODS):  # load while it scrapes: rates over the window move
+                _tokens(client, [0, 1 + i, 3, 5], method=method, max_new_tokens=6)
+            time.sleep(0.5)
+        for i, method in enumerate(METHODS):
+            _tokens(client, [0, 2 + i, 4], method=method, max_new_tokens=6)
+        time.sleep(3)  # two more scrapes after the last request
+        empty = []
+        for title, expr in _dashboard_queries():
+            result = prom.query(expr.replace("$__rate_interval", "1m"))
+            grouped = re.search(r"by \(([^)]*)\)", expr)
+            labels = {x.strip() for x in grouped[1].split(",")} - {"le"} if grouped else set()
+            if not result or not all(labels <= set(r["metric"]) for r in result):
+                empty.append((title, expr, result[:2]))
+        assert not empty, empty
+    finally:
+        prom.close()
+
+
 def test_a_drafter_actor_lets_idle_openmp_threads_sleep(metrics_port, monkeypatch):
     """Two engines share the machine's cores: the drafter's spinning OpenMP threads would
     take the verifier's (``engine_env``); the verifier keeps the default; a value the
