@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from presto_sd.app.datasets import load_prompts
 from presto_sd.app.training.corpus import (
     DECONTAMINATION_N,
@@ -12,6 +14,7 @@ from presto_sd.app.training.corpus import (
     code_items,
     is_contaminated,
     sharegpt_turn_items,
+    stdlib_functions,
 )
 from tests.conftest import fetched_or_skip
 
@@ -35,6 +38,15 @@ def test_synthesised_prompts_are_seeded_and_varied():
     code = code_items(40)
     assert len({it.messages[0]["content"] for it in code}) == 40
     assert any("```python" in it.messages[0]["content"] for it in code)
+
+
+def test_code_prompts_are_the_same_in_every_process():
+    """The plan must be a function of the flags alone: a default's repr once carried its memory
+    address (``<function f at 0x7f...>``) and reordered four committed shards on a new machine."""
+    a, b = stdlib_functions(), stdlib_functions()  # two child interpreters, two address layouts
+    assert a == b and len(a) > 500
+    assert not [sig for _, _, sig, _ in a if re.search(r" at 0x[0-9a-f]+", sig)]
+    assert any("<function " in sig for _, _, sig, _ in a)  # such defaults are still there, addressless
 
 
 def test_text_sharing_a_13_gram_is_caught_offline():

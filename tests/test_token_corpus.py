@@ -83,6 +83,19 @@ def test_resuming_from_committed_shards_on_an_empty_cache_writes_the_same_shards
         grow_corpus(GrowConfig(corpus=str(parts), target=str(tiny_target_dir), **{**GROW, "n_arith": 6}),
                     model, tok)
 
+    # a shard whose prompts the plan no longer makes (a prompt built from a default's repr with
+    # its memory address did this once) is refused, and --drop-stale regenerates it exactly
+    corpus = Corpus(parts)
+    real = corpus.read(1)
+    corpus.write(1, IdShard(real.item_ids, ((*real.prompts[0], 42), *real.prompts[1:]), real.responses),
+                 {"command": "edited"})
+    cfg = GrowConfig(corpus=str(parts), target=str(tiny_target_dir), **GROW)
+    with pytest.raises(CorpusError, match=r"shards \[1\] .* other prompts"):
+        grow_corpus(cfg, model, tok)
+    grow_corpus(GrowConfig(**{**cfg.__dict__, "drop_stale": True}), model, tok)
+    assert (whole / "shard_00001.ids.xz").read_bytes() == (parts / "shard_00001.ids.xz").read_bytes()
+    assert Corpus(whole).manifest()["totals"] == Corpus(parts).manifest()["totals"]
+
 
 def test_the_feature_prefill_equals_the_features_generation_captured(tiny_target_dir, tmp_path):
     """fp32: the prefill's rows equal the incremental decode's to rounding (other matmul

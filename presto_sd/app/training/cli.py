@@ -11,20 +11,22 @@ DEFAULT_DATA = "data/smollm2-sharegpt"
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per config field, typed from its default (tuples as comma lists)."""
+    """One ``--flag`` per config field, typed from its default (tuples as comma lists); the
+    help is the field's ``metadata["help"]`` where it has one."""
     for f in fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
+        what = f.metadata.get("help", "")
         if isinstance(default, bool):
-            p.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
+            p.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=what or None)
         elif isinstance(default, tuple):
             p.add_argument(flag, default=",".join(map(str, default)),
-                           help="comma-separated (default: %(default)s)")
+                           help=f"{what + '; ' if what else ''}comma-separated (default: %(default)s)")
         else:
             kind = type(default) if default is not None else str
-            p.add_argument(flag, type=kind, default=default, help="(default: %(default)s)")
+            p.add_argument(flag, type=kind, default=default, help=f"{what + ' ' if what else ''}(default: %(default)s)")
 
 
 def _to_config(cls, args: argparse.Namespace, **fixed):

@@ -76,6 +76,9 @@ def stdlib_functions() -> list[tuple[str, str, str, str]]:
     return [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _walk_stdlib() -> list[tuple[str, str, str, str]]:
     found = []
     names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in _SKIP_MODULES)
@@ -97,6 +100,9 @@ def _walk_stdlib() -> list[tuple[str, str, str, str]]:
                 sig = str(inspect.signature(obj))
             except (TypeError, ValueError):
                 continue
+            # a default's repr may hold its address (``<function f at 0x7f...>``), which differs
+            # between processes: without it, the plan is the same on every machine
+            sig = _ADDRESS.sub("", sig)
             found.append((modname, name, sig, first[:400]))
     return found
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,19 +27,24 @@ from presto_sd.models.loading import load_target
 DEFAULT_CORPUS = "corpus/smollm2-135m"
 
 
+def _flag(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class GrowConfig:
-    corpus: str = DEFAULT_CORPUS
-    target: str | None = None
-    sources: str = "sharegpt,code,arith"
-    n_code: int = 6000
-    n_arith: int = 6000
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = 256
-    batch_size: int = 64
-    dtype: str = "bfloat16"  # the CPU default where native (AVX512-BF16/AMX); float32 elsewhere
-    seed: int = 0
-    max_shards: int = 0  # stop once the corpus holds this many plan batches (0 = the whole plan)
+    corpus: str = _flag(DEFAULT_CORPUS, "the corpus folder (manifest.json and id shards)")
+    target: str | None = _flag(None, "the target model dir; none: SmolLM2-135M-Instruct")
+    sources: str = _flag("sharegpt,code,arith", "prompt sources, in plan order")
+    n_code: int = _flag(6000, "stdlib-function prompts in the plan")
+    n_arith: int = _flag(6000, "templated arithmetic prompts in the plan")
+    max_prompt_tokens: int = _flag(256, "prompt tokens at most")
+    max_new_tokens: int = _flag(256, "response tokens per prompt at most")
+    batch_size: int = _flag(64, "prompts per shard (one generation batch)")
+    dtype: str = _flag("bfloat16", "the target's dtype; bfloat16 only where the CPU has AVX512-BF16/AMX")
+    seed: int = _flag(0, "the plan's shuffle and the sampling seed per shard")
+    max_shards: int = _flag(0, "stop once the corpus holds this many plan batches (0: the whole plan)")
+    drop_stale: bool = _flag(False, "remove committed shards the plan no longer makes, then regenerate them")
 
     def gen_config(self) -> GenDataConfig:
         return GenDataConfig(out="", target=self.target, sources=self.sources, n_code=self.n_code,
@@ -50,7 +55,18 @@ class GrowConfig:
 
 def plan_key(cfg: GrowConfig) -> dict:
     """What decides the corpus's content: everything but where it goes and how far it runs."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("corpus", "max_shards")}
+    return {k: v for k, v in asdict(cfg).items() if k not in ("corpus", "max_shards", "drop_stale")}
+
+
+def stale_shards(corpus: Corpus, batches: list) -> list[int]:
+    """Committed shards whose (item id, prompt ids) differ from the plan's batch of that index."""
+    stale = []
+    for i in corpus.indices():
+        shard = corpus.read(i)
+        planned = batches[i] if i < len(batches) else []
+        if list(zip(shard.item_ids, map(list, shard.prompts))) != [(item, list(ids)) for item, ids in planned]:
+            stale.append(i)
+    return stale
 
 
 def grow_corpus(cfg: GrowConfig, model=None, tok=None) -> Path:
@@ -63,10 +79,15 @@ def grow_corpus(cfg: GrowConfig, model=None, tok=None) -> Path:
     key_hash = hashlib.sha256(json.dumps(plan_key(cfg), sort_keys=True).encode()).hexdigest()[:16]
     batches = plan_batches(gen, tok, cache_dir("plans") / f"corpus-{key_hash}.json")
     last = min(len(batches), cfg.max_shards) if cfg.max_shards else len(batches)
-    for i in corpus.indices():
-        if i >= len(batches) or list(corpus.read(i).item_ids) != [item for item, _ in batches[i]]:
-            raise CorpusError(f"{corpus.shard_path(i)} holds other items than plan batch {i}: "
-                              "the plan changed (tokenizer, stdlib, datasets); give another --corpus")
+    stale = stale_shards(corpus, batches)
+    if stale and cfg.drop_stale:
+        for i in stale:
+            corpus.remove(i)
+        print(f"grow-corpus: removed stale shards {stale}; they are generated again", flush=True)
+    elif stale:
+        raise CorpusError(f"shards {stale} of {corpus.root} hold other prompts than the plan's batches: "
+                          "the plan changed (tokenizer, stdlib, datasets); remove them "
+                          "(`presto-sd train grow-corpus --drop-stale`) or give another --corpus")
     done = set(corpus.indices())
     todo = [b for b in range(last) if b not in done]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -168,6 +168,15 @@ class Corpus:
             raise CorpusError(f"{self.shard_path(index)}: sha256 differs from the manifest (edited, corrupt)")
         return decode_shard(data)
 
+    def remove(self, index: int) -> None:
+        """Drop shard ``index`` and its manifest entry (the manifest first: a crash leaves an
+        orphan file that the next write replaces, never an entry without its file)."""
+        m = self.manifest()
+        m["shards"].pop(str(index), None)
+        m["totals"] = _totals(m["shards"])
+        self._write_manifest(m)
+        self.shard_path(index).unlink(missing_ok=True)
+
     def indices(self) -> list[int]:
         return sorted(int(k) for k in self.manifest()["shards"])
 
