@@ -26,7 +26,8 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
                            help=f"{what + '; ' if what else ''}comma-separated (default: %(default)s)")
         else:
             kind = type(default) if default is not None else str
-            p.add_argument(flag, type=kind, default=default, help=f"{what + ' ' if what else ''}(default: %(default)s)")
+            p.add_argument(flag, type=kind, default=default,
+                           help=f"{what + ' ' if what else ''}(default: %(default)s)")
 
 
 def _to_config(cls, args: argparse.Namespace, **fixed):

@@ -64,7 +64,8 @@ def stale_shards(corpus: Corpus, batches: list) -> list[int]:
     for i in corpus.indices():
         shard = corpus.read(i)
         planned = batches[i] if i < len(batches) else []
-        if list(zip(shard.item_ids, map(list, shard.prompts))) != [(item, list(ids)) for item, ids in planned]:
+        made = list(zip(shard.item_ids, map(list, shard.prompts)))
+        if made != [(item, list(ids)) for item, ids in planned]:
             stale.append(i)
     return stale
 
