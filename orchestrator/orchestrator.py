@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ray.exceptions import ActorDiedError
+
 from orchestrator.actors import EngineStats, ReplicaSpec, engine_stats, start_engine
 from orchestrator.batching import Batcher
 from orchestrator.metrics import Metrics
@@ -214,10 +216,17 @@ class Orchestrator:
             self.metrics.draft_batch(replica.name, size)
 
     def engine_stats(self) -> dict[str, EngineStats]:
-        """Per replica (``"drafter/<name>"``, ``"verifier/<name>"``): busy seconds, calls, sessions."""
-        replicas = [*self.drafters.replicas, *self.verifiers.replicas]
-        stats = engine_stats([r.engine for r in replicas])
-        return {f"{r.kind}/{r.name}": s for r, s in zip(replicas, stats)}
+        """Per live replica (``"drafter/<name>"``, ``"verifier/<name>"``): busy seconds, calls,
+        sessions. A replica whose actor is gone is left out (and marked dead), not an error."""
+        out = {}
+        for r in [*self.drafters.replicas, *self.verifiers.replicas]:
+            if r.dead:
+                continue
+            try:
+                out[f"{r.kind}/{r.name}"] = engine_stats([r.engine])[0]
+            except ActorDiedError:
+                r.dead = True
+        return out
 
     def close_idle(self, ttl_s: float) -> list[str]:
         """Nothing to reap: a request closes its own sessions however it ends (the engines

@@ -24,6 +24,20 @@ def tiny_spec(kind: str, index: int = 0) -> ReplicaSpec:
     return ReplicaSpec(kind, f"tiny-{index}", functools.partial(tiny_engine, kind), threads=1)
 
 
+def dir_engine(kind: str, target: str):
+    """The engine ``presto-sd serve KIND --target DIR --drafter random --dtype float32`` loads."""
+    import torch
+
+    from presto_sd.embedded.stack import load_drafter, load_verifier
+
+    load = load_verifier if kind == "verifier" else load_drafter
+    return load(target, "random", dtype=torch.float32)
+
+
+def dir_spec(kind: str, target: str) -> ReplicaSpec:
+    return ReplicaSpec(kind, "dir-0", functools.partial(dir_engine, kind, target), threads=1)
+
+
 # -- real server processes --------------------------------------------------------------
 def spawn_server(kind: str, target: Path) -> tuple[subprocess.Popen, queue.Queue]:
     # fp32: these tests hold the output to transformers' own greedy generate

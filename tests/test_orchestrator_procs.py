@@ -33,7 +33,7 @@ from presto_sd.rpc.client import ClientConfig
 from presto_sd.rpc.server import GrpcServer, ServerConfig
 from tests import rpc_util
 from tests.conftest import hf_greedy, tiny_drafter_model, tiny_llama
-from tests.orchestrator_util import alive, descendants, spawn_server
+from tests.orchestrator_util import alive, descendants, dir_spec, spawn_server
 from tests.rpc_util import spawn, wait_for
 from verifier_service.remote import RemoteVerifier
 
@@ -255,6 +255,54 @@ def test_killed_servers_mid_stream(tiny_dir, ray_local):
                 proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(timeout=30)
+
+
+def test_sigkilled_orchestrator_process_resumes_on_another(tiny_dir, ray_local):
+    """The short case of the one below: a `serve orchestrator` process with its engines in its
+    own Ray, SIGKILLed mid-stream; the client goes on on an in-process orchestrator over the
+    same weights from the tokens it has, the output is the unbroken greedy output, and the
+    killed process leaves nothing running (its reaper ends its Ray)."""
+    path, model, eos = tiny_dir
+    prompt, n = [1, 9690, 198, 151], 200
+    reference = _reference(model, prompt, n, eos)
+    assert len(reference) > 40  # long enough to be cut
+    doomed, lines = spawn(["serve", "orchestrator", "--port", "0", "--target", str(path),
+                           "--drafter", "random", "--dtype", "float32", "--threads", "1",
+                           "--drain-s", "0", "--grace-s", "0"])
+    backup, server, client = None, None, None
+    try:
+        first = f"127.0.0.1:{wait_for(lines, 'listening')['port']}"
+        backup = Orchestrator.start([dir_spec("drafter", str(path))], [dir_spec("verifier", str(path))])
+        servicer = service.OrchestratorServicer()
+        servicer.defaults = service.ServiceDefaults(GenerationParams(stop_token_ids=eos))
+        server = GrpcServer(ServerConfig(drain_s=0.0, grace_s=0.0), servicer, service.add_to_server,
+                            service.SERVICE_NAME)
+        second = f"127.0.0.1:{rpc_util.run(server.start())}"
+        rpc_util.run(server.attach(backup))
+        wait_for(lines, "serving")
+        family = descendants(doomed.pid)
+        client = OrchestratorClient([first, second], timeout_s=120)
+        tokens = []
+        for k, chunk in enumerate(client.generate(prompt, method="marginal", tree={"budget": 8, "depth": 4},
+                                                  max_new_tokens=n)):
+            tokens.extend(chunk.tokens)
+            if k == 3:
+                doomed.kill()  # SIGKILL: no drain, the stream in flight is cut
+        assert client.resumes >= 1 and client.current == 1
+        assert tokens == reference
+        deadline = time.monotonic() + 30  # the reaper polls its parent; measured ~1-3 s here
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(family), "orphans: " + ", ".join(_cmdline(p) for p in alive(family))
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            rpc_util.run(server.stop(0))
+        if backup is not None:
+            backup.shutdown()
+        if doomed.poll() is None:
+            doomed.kill()
 
 
 # slow: three server processes and a second Ray (~110 s on a loaded 2-core box); the default
