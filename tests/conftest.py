@@ -115,3 +115,11 @@ def tiny_target_dir(tmp_path_factory, smollm2_dir):
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smollm2_dir / f, out / f)
     return out
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The order's seed, even under ``-q``: a failure that depends on the order is rerun with it."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"test order: random, seed {seed} (that order: --randomly-seed={seed};"
+                                    " file order: -p no:randomly)")
