@@ -191,6 +191,8 @@ def test_a_huge_tree_is_refused_fast_and_health_answers_meanwhile(servers, nodes
         time.sleep(0.02)
     sender.join()
     assert answer["code"] == CODE.RESOURCE_EXHAUSTED and needle in answer["details"], answer
+    # measured 0.04-0.22 s refused and 0.06 s the slowest health check, on this 2-core machine
+    # with the suite and a corpus job beside it (2026-12-03): the bounds are 20x that
     assert answer["s"] < 5.0, answer  # the transfer and a scan of tags; no Python object per node
     assert worst < 1.0, f"a health check took {worst:.2f} s while the huge tree was refused"
 
@@ -224,7 +226,7 @@ def test_tree_candidate_counts_are_capped(servers):
     code, details = raw_call(channel, "/presto.v1.DrafterService/Draft", draft.SerializeToString())
     assert code == CODE.INVALID_ARGUMENT, (code, details)
     assert f"tree.top_k = 49152: must be in [1, {MAX_CANDIDATES}]" in details
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 2.0  # measured 0.002 s under load: refused before any draft
     channel.close()
 
 
