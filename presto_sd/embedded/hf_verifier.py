@@ -53,13 +53,14 @@ from presto_sd.method.acceptance import (
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
+from presto_sd.models import llama
 from presto_sd.models.invariant import (
     MAX_INVARIANT_ROWS,
     install_invariant_linears,
     invariant_linear,
     pick_linear_kernel,
 )
-from presto_sd.models.packed import Segment, packed_forward
+from presto_sd.models.packed import Segment, packed_forward, packed_plan
 from presto_sd.models.session_kv import KVStore, SessionKV
 
 
@@ -91,9 +92,12 @@ class HFVerifier(Verifier):
         max_kv_bytes: int | None = None,  # the sessions' KV budget (None: no budget)
         prefill_chunk: int = 512,  # tokens per prefill forward
         kv_min_capacity: int = 256,  # a session's smallest KV slot (positions); classes double from it
+        decoder: str = "auto",  # "owned" (models/llama.py), "transformers", or "auto": owned where it runs
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
+        if decoder not in ("auto", "owned", "transformers"):
+            raise ValueError(f"decoder {decoder!r}: one of auto, owned, transformers")
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -101,6 +105,8 @@ class HFVerifier(Verifier):
         head = self.lm_head.weight
         self.head_kernel = pick_linear_kernel(head.shape[1], head.shape[0], head.dtype, head.device.type)
         self.row_invariant = install_invariant_linears(self.decoder) and self.head_kernel is not None
+        owned = decoder == "owned" or (decoder == "auto" and llama.supports(model))
+        self.owned = llama.LlamaDecoder(model) if owned else None  # None: transformers' forward
         n_layers = model.config.num_hidden_layers
         if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
             raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
@@ -168,6 +174,11 @@ class HFVerifier(Verifier):
         target-layer features [N, F]. Each session's KV buffers receive its new entries
         after its committed length (``SessionKV.keep`` commits them)."""
         positions = torch.as_tensor(positions, dtype=torch.long)
+        if self.owned is not None:
+            plan = packed_plan(segments, self.device)
+            ids = torch.tensor(input_ids, device=self.device)
+            last, kept = self.owned.forward(ids, positions.to(self.device), plan, self.target_layer_ids)
+            return last, torch.cat(kept, dim=-1)
         with packed_forward(self.model, segments):
             out = self.decoder(
                 input_ids=torch.tensor([input_ids], device=self.device),

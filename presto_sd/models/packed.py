@@ -137,15 +137,21 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
     return _Plan(tuple(rest), writes, tuple(groups))
 
 
-@contextlib.contextmanager
-def packed_forward(model: PreTrainedModel, segments: Sequence[Segment]) -> Iterator[None]:
-    """Inside: the model's forward over the packed tokens attends per segment, and its
-    linear layers run row-invariant (``invariant.py``; ``install_invariant_linears``)."""
+def packed_plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
+    """Reserve every segment's KV room and work out what attention does at every layer."""
     for s in segments:
         s.kv.reserve(s.kv.length + s.n)
+    return _plan(segments, device)
+
+
+@contextlib.contextmanager
+def packed_forward(model: PreTrainedModel, segments: Sequence[Segment]) -> Iterator[None]:
+    """Inside: the transformers model's forward over the packed tokens attends per segment,
+    and its linear layers run row-invariant (``invariant.py``; ``install_invariant_linears``).
+    (The owned decoder, ``llama.py``, takes the plan as an argument instead.)"""
     configs = _attention_configs(model)
     saved = [c._attn_implementation for c in configs]
-    token = _PLAN.set(_plan(segments, model.device))
+    token = _PLAN.set(packed_plan(segments, model.device))
     try:
         for c in configs:
             c._attn_implementation = ATTENTION
@@ -192,6 +198,12 @@ def _session_attention(
     plan = _PLAN.get()
     if plan is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside packed_forward()")
+    return session_attention(plan, module, query, key, value, **kwargs), None
+
+
+def session_attention(plan: _Plan, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``_session_attention`` with its plan given: [1, heads, N, head_dim] -> [1, N, heads, head_dim]."""
     layer = module.layer_idx
     out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
     for w in plan.writes:  # AR steps: one write per page
@@ -208,7 +220,7 @@ def _session_attention(
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     for g in plan.groups:
         _group_attention(layer, g, query, out, scaling)
-    return out, None
+    return out
 
 
 def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.Tensor,

@@ -1,0 +1,137 @@
+"""The verifier's own decoder forward for the Llama family (SmolLM2, Llama, Qwen2, Qwen3).
+
+One page, the call a reader sees is the call that runs (gpt-fast's ``model.py``): the
+packed tokens go through embedding, per layer RMSNorm -> q/k/v -> RoPE -> the packed
+attention (``packed.session_attention``: per-session slots, row attention for decode rows)
+-> o -> residual -> RMSNorm -> gate/up/SiLU/down -> residual, and the final norm. Every
+linear is ``invariant_linear`` with the kernel probed for its shape; every other op is
+transformers' own arithmetic in the same order (RMSNorm in fp32, RoPE from the model's
+own rotary module), so the result is bitwise the transformers path that it replaces, and
+what it drops is that path's Python: module calls, mask and cache machinery, output
+records. The weights are the loaded model's tensors, shared, not copied; transformers
+stays for loading, tokenizers and as the test reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from presto_sd.models.invariant import invariant_linear, pick_linear_kernel
+from presto_sd.models.packed import packed_plan, session_attention
+
+FAMILY = ("llama", "qwen2", "qwen3")  # model_type values this decoder runs
+
+
+@dataclass(frozen=True)
+class _Linear:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    kernel: str
+
+    @classmethod
+    def of(cls, m: torch.nn.Linear) -> _Linear:
+        w = m.weight
+        return cls(w, m.bias, pick_linear_kernel(w.shape[1], w.shape[0], w.dtype, w.device.type) or "aten")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias, self.kernel)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn: torch.nn.Module  # read for layer_idx / scaling by the attention; never called
+    input_norm: torch.Tensor
+    q: _Linear
+    k: _Linear
+    v: _Linear
+    o: _Linear
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before RoPE
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+
+
+def supports(model: PreTrainedModel) -> bool:
+    """Does this decoder run ``model`` (a Llama-family causal LM with SiLU MLPs)?"""
+    c = model.config
+    return c.model_type in FAMILY and getattr(c, "hidden_act", "silu") == "silu"
+
+
+class LlamaDecoder:
+    """The decoder stack of a loaded Llama-family model, as one plain forward."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        if not supports(model):
+            raise ValueError(f"{model.config.model_type!r} is not a Llama-family model: {FAMILY}")
+        inner = model.get_decoder()
+        c = model.config
+        self.eps = c.rms_norm_eps
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.final_norm = inner.norm.weight
+        self.layers = [self._layer(layer) for layer in inner.layers]
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return _Layer(a, layer.input_layernorm.weight, _Linear.of(a.q_proj), _Linear.of(a.k_proj),
+                      _Linear.of(a.v_proj), _Linear.of(a.o_proj), None if qn is None else qn.weight,
+                      None if kn is None else kn.weight, layer.post_attention_layernorm.weight,
+                      _Linear.of(m.gate_proj), _Linear.of(m.up_proj), _Linear.of(m.down_proj))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm, op for op: fp32 statistics, the weight in the input dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan,
+                keep_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``input_ids``/``positions`` ``[N]`` of the packed tokens -> (the final normed hidden
+        states ``[N, H]``, the outputs of ``keep_layers`` ``[N, H]`` each, in that order, as
+        transformers' ``hidden_states[i + 1]``)."""
+        n = input_ids.shape[0]
+        h = self.embed[input_ids][None]  # [1, N, H]
+        cos, sin = self.rotary(h, positions[None])  # [1, N, head_dim], in h's dtype
+        cos, sin = cos[:, None], sin[:, None]
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.input_norm)
+            q = layer.q(x).view(1, n, self.heads, self.head_dim)
+            k = layer.k(x).view(1, n, self.kv_heads, self.head_dim)
+            v = layer.v(x).view(1, n, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn = session_attention(plan, layer.attn, q, k, v, dropout=0.0,
+                                     scaling=layer.attn.scaling)  # [1, N, heads, head_dim]
+            h = h + layer.o(attn.reshape(1, n, -1))
+            x = self._norm(h, layer.post_norm)
+            h = h + layer.down(torch.nn.functional.silu(layer.gate(x)) * layer.up(x))
+            if i in keep_layers:
+                kept[i] = h[0]
+        out = self._norm(h, self.final_norm)[0]
+        # transformers' hidden_states[i + 1], which DFlash's target_layer_ids index: the last
+        # layer's entry there is the normed output
+        kept[len(self.layers) - 1] = out
+        return out, [kept[i] for i in keep_layers]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+__all__ = ["FAMILY", "LlamaDecoder", "packed_plan", "supports"]
