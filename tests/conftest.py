@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,9 +118,22 @@ def tiny_target_dir(tmp_path_factory, smollm2_dir):
     return out
 
 
+def _order_line(config) -> str | None:
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is None or not config.pluginmanager.hasplugin("randomly"):
+        return None
+    return f"test order: random, seed {seed} (that order: --randomly-seed={seed}; file order: -p no:randomly)"
+
+
+def pytest_sessionstart(session) -> None:
+    """The seed at the start too: a run that dies (a crash, a kill) never reaches the summary."""
+    line = _order_line(session.config)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The order's seed, even under ``-q``: a failure that depends on the order is rerun with it."""
-    seed = getattr(config.option, "randomly_seed", None)
-    if seed is not None and config.pluginmanager.hasplugin("randomly"):
-        terminalreporter.write_line(f"test order: random, seed {seed} (that order: --randomly-seed={seed};"
-                                    " file order: -p no:randomly)")
+    line = _order_line(config)
+    if line:
+        terminalreporter.write_line(line)
