@@ -105,11 +105,15 @@ class ReplicaSpec:
             raise ValueError(f"replica kind {self.kind!r}: one of {KINDS}")
 
 
-def _load_local(kind: str, target: str | None, drafter: str | None) -> Any:
-    """The in-process engine, as ``presto-sd serve`` loads it."""
+def _load_local(kind: str, target: str | None, drafter: str | None, dtype: str = "auto",
+                decoder: str = "auto") -> Any:
+    """The in-process engine, as ``presto-sd serve`` loads it (``dtype``: a ``--dtype`` choice)."""
     from presto_sd.embedded.stack import load_drafter, load_verifier
+    from presto_sd.models.loading import parse_dtype
 
-    return load_verifier(target, drafter) if kind == "verifier" else load_drafter(target, drafter)
+    if kind == "verifier":
+        return load_verifier(target, drafter, dtype=parse_dtype(dtype), decoder=decoder)
+    return load_drafter(target, drafter, dtype=parse_dtype(dtype))
 
 
 def _connect_remote(kind: str, address: str, config: ClientConfig) -> Any:
@@ -123,9 +127,10 @@ def _connect_remote(kind: str, address: str, config: ClientConfig) -> Any:
 
 
 def local_spec(kind: str, index: int, target: str | None, drafter: str | None,
-               threads: int | None = None, num_gpus: float = 0.0) -> ReplicaSpec:
-    return ReplicaSpec(kind, f"local-{index}", functools.partial(_load_local, kind, target, drafter),
-                       threads, num_gpus=num_gpus, max_restarts=3)
+               threads: int | None = None, num_gpus: float = 0.0, dtype: str = "auto",
+               decoder: str = "auto") -> ReplicaSpec:
+    load = functools.partial(_load_local, kind, target, drafter, dtype, decoder)
+    return ReplicaSpec(kind, f"local-{index}", load, threads, num_gpus=num_gpus, max_restarts=3)
 
 
 def remote_spec(kind: str, address: str, config: ClientConfig | None = None) -> ReplicaSpec:

@@ -14,6 +14,11 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("model dtype: auto = bf16 on a GPU, and on a CPU with native bf16 (AVX512-BF16/AMX) "
               "whose kernels are row-invariant (speculative output bitwise the engine's AR), else "
               "fp32; start-up says which and why (docs/benchmarks.md)")
+DECODER_CHOICES = ("auto", "owned", "transformers")
+DECODER_HELP = ("the verifier's forward: owned = presto-sd's own Llama/Qwen2/Qwen3 decoder "
+                "(presto_sd/models/llama.py), transformers = the model's own module tree with the "
+                "row-invariant linears swapped in; auto = owned where the target is of that family. "
+                "Both are bitwise the same (tests/test_owned_decoder.py) (default: %(default)s)")
 METHOD_HELP = "; ".join(f"{m.name} = {m.help}" for m in METHODS.values())
 
 
@@ -43,12 +48,14 @@ def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 (or belo
 
 
 def add_model_args(p: argparse.ArgumentParser, target_help: str, drafter_help: str,
-                   group: bool = True) -> None:
+                   group: bool = True, decoder: bool = True) -> None:
     m = p.add_argument_group("models") if group else p
     m.add_argument("--target", default=None, help=target_help)
     m.add_argument("--drafter", default=None, help=drafter_help)
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    if decoder:
+        m.add_argument("--decoder", default="auto", choices=DECODER_CHOICES, help=DECODER_HELP)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

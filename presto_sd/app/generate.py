@@ -90,9 +90,11 @@ def _report(args: argparse.Namespace, res, text: str, drafter: str, tree) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.orchestrator_addr or args.verifier_addr or args.drafter_addr) and args.dtype != "auto":
-        raise SystemExit("presto-sd generate: --dtype sets embedded engines; remote ones take it "
-                         "from `presto-sd serve verifier|drafter --dtype`")
+    remote = args.orchestrator_addr or args.verifier_addr or args.drafter_addr
+    for flag, value in (("--dtype", args.dtype), ("--decoder", args.decoder)):
+        if remote and value != "auto":
+            raise SystemExit(f"presto-sd generate: {flag} sets embedded engines; remote ones take it "
+                             f"from `presto-sd serve verifier|drafter {flag}` (or `up {flag}`)")
     if args.orchestrator_addr:
         return run_orchestrated(args)
     import torch

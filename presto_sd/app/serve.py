@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 or [::] to serve "
                        "other machines (default: %(default)s)")
         add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)", "DFlash drafter dir, hub id "
-                       "or 'random' (the verifier reads its target_layer_ids)", group=False)
+                       "or 'random' (the verifier reads its target_layer_ids)", group=False,
+                       decoder=name == "verifier")
         add_serving_args(p)
         add_reflection_arg(p)
         p.add_argument("--max-sessions", type=int, default=64, help="(default: %(default)s)")
@@ -122,7 +123,7 @@ def run_engine(args: argparse.Namespace) -> int:
         if args.prefill_chunk < 1:
             raise SystemExit(f"presto-sd serve verifier: --prefill-chunk {args.prefill_chunk}: must be >= 1")
         servicer: Any = svc.VerifierServicer()
-        load = functools.partial(load_verifier, prefill_chunk=args.prefill_chunk)
+        load = functools.partial(load_verifier, prefill_chunk=args.prefill_chunk, decoder=args.decoder)
     else:
         from drafter_service import servicer as svc
 

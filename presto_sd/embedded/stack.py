@@ -70,13 +70,13 @@ def drafter_engine(model: PreTrainedModel, assets: DrafterAssets, max_sessions: 
 
 def verifier_engine(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, target: str | None, assets: DrafterAssets,
-    limits: VerifierLimits = VerifierLimits(), prefill_chunk: int = 512,
+    limits: VerifierLimits = VerifierLimits(), prefill_chunk: int = 512, decoder: str = "auto",
 ) -> HFVerifier:
     """The target emitting the features the drafter was trained on (its ``target_layer_ids``)."""
     config = assets.config or random_drafter_config(model.config)
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
                       eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, decoder=decoder)
 
 
 def _budget(engine: DFlashDrafter | HFVerifier, kind: str, device: torch.device,
@@ -104,13 +104,13 @@ def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 25
 
 def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
                   dtype: torch.dtype | None = None, max_kv_gb: float | None = None,
-                  prefill_chunk: int = 512) -> HFVerifier:
+                  prefill_chunk: int = 512, decoder: str = "auto") -> HFVerifier:
     """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS, its
     sessions' KV given a budget (``max_kv_gb``, else a share of the free memory: ``memory``)."""
     assets = drafter_assets(target, drafter)
     model, tok = load_target(target, dtype=dtype)
     verifier = verifier_engine(model, tok, target, assets, VerifierLimits(max_sessions=max_sessions),
-                               prefill_chunk)
+                               prefill_chunk, decoder)
     verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
     _budget(verifier, "verifier", verifier.device, max_kv_gb)
     return verifier
@@ -121,9 +121,10 @@ def build_embedded(
     drafter: str | None = None,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    decoder: str = "auto",
 ) -> EmbeddedStack:
     """Verifier and drafter in this process, sharing one copy of the target."""
     assets = drafter_assets(target, drafter)
     model, tok = load_target(target, device, dtype)
-    verifier = verifier_engine(model, tok, target, assets)
+    verifier = verifier_engine(model, tok, target, assets, decoder=decoder)
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

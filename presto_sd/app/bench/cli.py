@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_bench_prompts(args)
-    stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype))
+    stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder)
     config = bench_config(args, stack.verifier.eos_token_ids, stack.drafter.info())
     chat = not args.no_chat
     encoded = [BenchPrompt(p.dataset, p.id, tuple(encode_messages(stack.tokenizer, p.messages, chat)))
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         "target": info.model,
         "drafter": stack.assets.name,
         "machine": machine_info(info.device, info.dtype),
+        "decoder": "owned" if stack.verifier.owned is not None else "transformers",
     }
     out = Path(args.out)
     if args.replay:
