@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -137,3 +138,28 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     line = _order_line(config)
     if line:
         terminalreporter.write_line(line)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_runtime() -> int:
+    """One local Ray for the whole test process, started by its first user; the port its
+    metrics are exported on (reported every 0.5 s; 10 s by default).
+
+    Ray cannot be shut down and started again in a process whose threads still hold the
+    old runtime (an orchestrator's batchers, its metrics export): the next ``ray.init``
+    segfaults now and then (ray-project/ray#31145). This suite's CI died so, at the third
+    module that started its own Ray. So no test starts or stops Ray itself.
+    """
+    import ray
+
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port,
+             _system_config={"metrics_report_interval_ms": 500})
+    yield port
+    ray.shutdown()

@@ -1,9 +1,8 @@
 """A presto-sd process that has used gRPC can still start children (Ray does, at ray.init).
 
 gRPC's fork handlers, on by default, restart its threads around every fork; with a process
-that has served and called gRPC they abort children before their exec (~1 in 5 here) and
-once killed the suite's own process (SIGSEGV at a third ``ray.init``). presto-sd turns them
-off (``presto_sd/__init__.py``); every child it starts execs.
+that has served and called gRPC they abort children before their exec (~1 in 5 here).
+presto-sd turns them off (``presto_sd/__init__.py``); every child it starts execs.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ import time
 
 import grpc
 import pytest
-import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.remote import RemoteDrafter
@@ -57,10 +56,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_target):
+def stack(tiny_target, ray_runtime):
     verifier, drafter = make_engines(tiny_target)
     vs, ds = rpc_util.LocalServer("verifier").start(verifier), rpc_util.LocalServer("drafter").start(drafter)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     orch = Orchestrator.start([remote_spec("drafter", ds.address)], [remote_spec("verifier", vs.address)])
     servicer = service.OrchestratorServicer()
     servicer.defaults = service.ServiceDefaults(DEFAULTS, "tiny-llama")
@@ -73,7 +71,6 @@ def stack(tiny_target):
     client.close()
     rpc_util.run(front.stop(0))
     orch.shutdown()
-    ray.shutdown()
     vs.stop()
     ds.stop()
 

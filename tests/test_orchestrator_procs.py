@@ -13,7 +13,6 @@ import time
 
 import grpc
 import pytest
-import ray
 import torch
 
 from drafter_service.remote import RemoteDrafter
@@ -201,10 +200,8 @@ def test_the_same_flags_give_the_same_tree_tokens_and_tau_embedded_served_and_up
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_local(ray_runtime):
+    """The process's one Ray (``conftest.ray_runtime``): in-process orchestrators run on it."""
 
 
 def test_killed_servers_mid_stream(tiny_dir, ray_local):
