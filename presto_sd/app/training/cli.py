@@ -77,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     dr.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
     dr.add_argument("--out", default="runs/drafter", help="(default: %(default)s)")
 
+    ex = tsub.add_parser("export", help="a trained drafter checkpoint as a dir that ships: its weights in "
+                         "bf16, its training log and report (then `train acceptance` on it)")
+    ex.add_argument("--checkpoint", required=True, help="a `train drafter` run's drafter dir (RUN/drafter)")
+    ex.add_argument("--out", required=True, help="the new drafter dir (must be new or empty)")
+    ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="the weights' dtype on disk (default: %(default)s; loading casts to the target's)")
+
     from presto_sd.app.training.acceptance import AcceptanceConfig
 
     acc = tsub.add_parser("acceptance", help="verification traces -> h_phi, n-gram table, lambda_d, "
@@ -109,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 
         print(train_drafter(_to_config(TrainConfig, args)))
+    elif args.train_command == "export":
+        import torch
+
+        from presto_sd.app.training.export import export_drafter
+
+        print(export_drafter(args.checkpoint, args.out, getattr(torch, args.dtype)))
     elif args.train_command == "acceptance":
         import json
 
