@@ -106,13 +106,13 @@ class ReplicaSpec:
 
 
 def _load_local(kind: str, target: str | None, drafter: str | None, dtype: str = "auto",
-                decoder: str = "auto") -> Any:
+                decoder: str = "auto", weights: str = "dense") -> Any:
     """The in-process engine, as ``presto-sd serve`` loads it (``dtype``: a ``--dtype`` choice)."""
     from presto_sd.embedded.stack import load_drafter, load_verifier
     from presto_sd.models.loading import parse_dtype
 
     if kind == "verifier":
-        return load_verifier(target, drafter, dtype=parse_dtype(dtype), decoder=decoder)
+        return load_verifier(target, drafter, dtype=parse_dtype(dtype), decoder=decoder, weights=weights)
     return load_drafter(target, drafter, dtype=parse_dtype(dtype))
 
 
@@ -128,8 +128,8 @@ def _connect_remote(kind: str, address: str, config: ClientConfig) -> Any:
 
 def local_spec(kind: str, index: int, target: str | None, drafter: str | None,
                threads: int | None = None, num_gpus: float = 0.0, dtype: str = "auto",
-               decoder: str = "auto") -> ReplicaSpec:
-    load = functools.partial(_load_local, kind, target, drafter, dtype, decoder)
+               decoder: str = "auto", weights: str = "dense") -> ReplicaSpec:
+    load = functools.partial(_load_local, kind, target, drafter, dtype, decoder, weights)
     return ReplicaSpec(kind, f"local-{index}", load, threads, num_gpus=num_gpus, max_restarts=3)
 
 

@@ -26,21 +26,9 @@ import numpy as np
 import torch
 
 from presto_sd.models.invariant import invariant_linear, pick_linear_kernel
+from presto_sd.models.quant import GROUP, Q4Blocks
 
-GROUP = 32
 ROWS = (1, 2, 3, 4, 5, 8, 16, 33, 64)
-
-
-def q4_1_blocks(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [n, k] int32 in 0..15, d [n, k/32], m [n, k/32] fp32) of a Q4_1 tensor's raw bytes:
-    per block d (fp16), m (fp16), then 16 bytes whose low nibbles are weights 0..15 and
-    high nibbles weights 16..31."""
-    blocks = raw.reshape(n, k // GROUP, 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nib = blocks[..., 4:]
-    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k).astype(np.int32)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
 def median_s(fn, reps: int) -> float:
@@ -106,10 +94,11 @@ def main() -> None:
         if int(t.name.split(".")[1]) >= args.layers:
             continue
         k, n = (int(s) for s in t.shape)  # gguf lists [in, out]
-        q, d, m = q4_1_blocks(np.asarray(t.data), n, k)
+        b = Q4Blocks.from_gguf(np.asarray(t.data), n, k)
+        q, d, m = b.q, b.d, b.m
         reference = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         reference = torch.from_numpy(reference).reshape(n, k)
-        ours = (q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]).view(n, k)
+        ours = b.dequantize()
         row = probe(t.name, q, d, m, reference, args.reps)
         row["block_decode_equal_gguf"] = torch.equal(ours, reference)
         print(json.dumps(row), flush=True)

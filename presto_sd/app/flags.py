@@ -19,6 +19,11 @@ DECODER_HELP = ("the verifier's forward: owned = presto-sd's own Llama/Qwen2/Qwe
                 "(presto_sd/models/llama.py), transformers = the model's own module tree with the "
                 "row-invariant linears swapped in; auto = owned where the target is of that family. "
                 "Both are bitwise the same (tests/test_owned_decoder.py) (default: %(default)s)")
+WEIGHTS_CHOICES = ("dense", "gguf-int4")  # presto_sd.models.quant.WEIGHTS, without importing torch for --help
+WEIGHTS_HELP = ("the verifier's linear weights: dense = the loaded model's; gguf-int4 = the target GGUF's "
+                "own Q4_1 blocks through torch's int4 CPU kernel (bf16 activations where the CPU has "
+                "native bf16; its rows probed at load), the owned decoder only. Either way every method "
+                "is bitwise that mode's own AR (default: %(default)s)")
 METHOD_HELP = "; ".join(f"{m.name} = {m.help}" for m in METHODS.values())
 
 
@@ -56,6 +61,7 @@ def add_model_args(p: argparse.ArgumentParser, target_help: str, drafter_help: s
     m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     if decoder:
         m.add_argument("--decoder", default="auto", choices=DECODER_CHOICES, help=DECODER_HELP)
+        m.add_argument("--weights", default="dense", choices=WEIGHTS_CHOICES, help=WEIGHTS_HELP)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

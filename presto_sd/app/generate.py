@@ -91,8 +91,9 @@ def _report(args: argparse.Namespace, res, text: str, drafter: str, tree) -> Non
 
 def run(args: argparse.Namespace) -> int:
     remote = args.orchestrator_addr or args.verifier_addr or args.drafter_addr
-    for flag, value in (("--dtype", args.dtype), ("--decoder", args.decoder)):
-        if remote and value != "auto":
+    for flag, value, default in (("--dtype", args.dtype, "auto"), ("--decoder", args.decoder, "auto"),
+                                 ("--weights", args.weights, "dense")):
+        if remote and value != default:
             raise SystemExit(f"presto-sd generate: {flag} sets embedded engines; remote ones take it "
                              f"from `presto-sd serve verifier|drafter {flag}` (or `up {flag}`)")
     if args.orchestrator_addr:

@@ -123,7 +123,8 @@ def run_engine(args: argparse.Namespace) -> int:
         if args.prefill_chunk < 1:
             raise SystemExit(f"presto-sd serve verifier: --prefill-chunk {args.prefill_chunk}: must be >= 1")
         servicer: Any = svc.VerifierServicer()
-        load = functools.partial(load_verifier, prefill_chunk=args.prefill_chunk, decoder=args.decoder)
+        load = functools.partial(load_verifier, prefill_chunk=args.prefill_chunk, decoder=args.decoder,
+                                 weights=args.weights)
     else:
         from drafter_service import servicer as svc
 

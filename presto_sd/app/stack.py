@@ -62,7 +62,8 @@ def embedded_stack(args: argparse.Namespace) -> Stack:
     from presto_sd.embedded.stack import build_embedded
     from presto_sd.models.loading import parse_dtype
 
-    s = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder)
+    s = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder,
+                       weights=args.weights)
     return Stack(s.verifier, s.drafter, s.tokenizer)
 
 
@@ -97,7 +98,7 @@ def replica_specs(args: argparse.Namespace) -> tuple[list, list]:
         config = client_config(args, "engine_")
         return ([remote_spec("drafter", a, config) for a in drafters],
                 [remote_spec("verifier", a, config) for a in verifiers])
-    models = {"dtype": args.dtype, "decoder": args.decoder}
+    models = {"dtype": args.dtype, "decoder": args.decoder, "weights": args.weights}
     return ([local_spec("drafter", i, args.target, args.drafter, args.threads, args.drafter_gpus, **models)
              for i in range(args.local_drafters)],
             [local_spec("verifier", i, args.target, args.drafter, args.threads, args.verifier_gpus, **models)

@@ -16,7 +16,7 @@ admitted against the session table's budget before a forward allocates them.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +60,7 @@ from presto_sd.models.invariant import (
     invariant_linear,
     pick_linear_kernel,
 )
+from presto_sd.models.llama import Linear
 from presto_sd.models.packed import Segment, packed_forward, packed_plan
 from presto_sd.models.session_kv import KVStore, SessionKV
 
@@ -93,6 +94,7 @@ class HFVerifier(Verifier):
         prefill_chunk: int = 512,  # tokens per prefill forward
         kv_min_capacity: int = 256,  # a session's smallest KV slot (positions); classes double from it
         decoder: str = "auto",  # "owned" (models/llama.py), "transformers", or "auto": owned where it runs
+        linears: Mapping[str, Linear] | None = None,  # row-invariant kernels for the owned decoder's linears
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
@@ -103,10 +105,21 @@ class HFVerifier(Verifier):
         self.lm_head = model.get_output_embeddings()
         # row-invariant kernels inside packed_forward only: a tree's rows are bitwise AR's steps
         head = self.lm_head.weight
+        self.head_weight = head
         self.head_kernel = pick_linear_kernel(head.shape[1], head.shape[0], head.dtype, head.device.type)
-        self.row_invariant = install_invariant_linears(self.decoder) and self.head_kernel is not None
+        if self.head_kernel is None and head.dtype != torch.float32:
+            # no invariant kernel in the model's dtype (bf16 on Intel AMX): the head in fp32, on a
+            # copy of its weight, where oneDNN's rows agree; the logits are fp32 either way
+            fp32 = pick_linear_kernel(head.shape[1], head.shape[0], torch.float32, head.device.type)
+            if fp32 is not None:
+                self.head_weight, self.head_kernel = head.detach().float(), fp32
+        linears_ok = install_invariant_linears(self.decoder)
         owned = decoder == "owned" or (decoder == "auto" and llama.supports(model))
-        self.owned = llama.LlamaDecoder(model) if owned else None  # None: transformers' forward
+        if linears and not owned:
+            raise ValueError(f"linears replace the owned decoder's: decoder {decoder!r} does not run it here")
+        # given linears are probed row-invariant by their maker (quant.int4_linears)
+        self.row_invariant = (bool(linears) or linears_ok) and self.head_kernel is not None
+        self.owned = llama.LlamaDecoder(model, linears) if owned else None  # None: transformers' forward
         n_layers = model.config.num_hidden_layers
         if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
             raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
@@ -190,8 +203,9 @@ class HFVerifier(Verifier):
         return out.last_hidden_state[0], feats[0]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        return invariant_linear(hidden, head.weight, head.bias, self.head_kernel or "aten").float()
+        w, bias = self.head_weight, self.lm_head.bias
+        bias = None if bias is None else bias.to(w.dtype)
+        return invariant_linear(hidden.to(w.dtype), w, bias, self.head_kernel or "aten").float()
 
     def prefill(
         self,

@@ -23,13 +23,16 @@ from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import HPhi, LearnedRho, NGramRho, RhoProvider
 from presto_sd.models.assets import DrafterAssets
 from presto_sd.models.dflash import DFlashConfig
+from presto_sd.models.invariant import native_bf16
 from presto_sd.models.loading import (
     eos_token_ids,
     load_drafter_model,
     load_target,
     random_drafter_config,
     resolve_drafter,
+    target_gguf,
 )
+from presto_sd.models.quant import WEIGHTS, gguf_q4_1_blocks, int4_linears
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("presto_sd.embedded")
@@ -71,12 +74,27 @@ def drafter_engine(model: PreTrainedModel, assets: DrafterAssets, max_sessions: 
 def verifier_engine(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, target: str | None, assets: DrafterAssets,
     limits: VerifierLimits = VerifierLimits(), prefill_chunk: int = 512, decoder: str = "auto",
+    weights: str = "dense",
 ) -> HFVerifier:
-    """The target emitting the features the drafter was trained on (its ``target_layer_ids``)."""
+    """The target emitting the features the drafter was trained on (its ``target_layer_ids``);
+    ``weights`` "gguf-int4": its linears from the target GGUF's own Q4_1 blocks (``quant``)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    linears = None
+    if weights == "gguf-int4":
+        linears = int4_linears(gguf_q4_1_blocks(target_gguf(target), model.config), model, model.dtype)
     config = assets.config or random_drafter_config(model.config)
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
                       eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
-                      prefill_chunk=prefill_chunk, decoder=decoder)
+                      prefill_chunk=prefill_chunk, decoder=decoder, linears=linears)
+
+
+def weights_dtype(weights: str, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The model dtype for ``weights``: the int4 kernel is fast with bf16 activations, so
+    that is its default where the CPU has native bf16 (its rows are probed at load)."""
+    if dtype is None and weights == "gguf-int4" and native_bf16():
+        return torch.bfloat16
+    return dtype
 
 
 def _budget(engine: DFlashDrafter | HFVerifier, kind: str, device: torch.device,
@@ -104,13 +122,13 @@ def load_drafter(target: str | None, drafter: str | None, max_sessions: int = 25
 
 def load_verifier(target: str | None, drafter: str | None, max_sessions: int = VerifierLimits.max_sessions,
                   dtype: torch.dtype | None = None, max_kv_gb: float | None = None,
-                  prefill_chunk: int = 512, decoder: str = "auto") -> HFVerifier:
+                  prefill_chunk: int = 512, decoder: str = "auto", weights: str = "dense") -> HFVerifier:
     """The target alone, its cost model calibrated (a few seconds of forwards) for TAPS, its
     sessions' KV given a budget (``max_kv_gb``, else a share of the free memory: ``memory``)."""
     assets = drafter_assets(target, drafter)
-    model, tok = load_target(target, dtype=dtype)
+    model, tok = load_target(target, dtype=weights_dtype(weights, dtype))
     verifier = verifier_engine(model, tok, target, assets, VerifierLimits(max_sessions=max_sessions),
-                               prefill_chunk, decoder)
+                               prefill_chunk, decoder, weights)
     verifier.calibrate_cost()  # TAPS's cost model, in Info from the first call on
     _budget(verifier, "verifier", verifier.device, max_kv_gb)
     return verifier
@@ -122,9 +140,10 @@ def build_embedded(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
     decoder: str = "auto",
+    weights: str = "dense",
 ) -> EmbeddedStack:
     """Verifier and drafter in this process, sharing one copy of the target."""
     assets = drafter_assets(target, drafter)
-    model, tok = load_target(target, device, dtype)
-    verifier = verifier_engine(model, tok, target, assets, decoder=decoder)
+    model, tok = load_target(target, device, weights_dtype(weights, dtype))
+    verifier = verifier_engine(model, tok, target, assets, decoder=decoder, weights=weights)
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

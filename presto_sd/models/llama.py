@@ -14,7 +14,7 @@ stays for loading, tokenizers and as the test reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,20 +41,23 @@ class _Linear:
         return invariant_linear(x, self.weight, self.bias, self.kernel)
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]  # rows [..., in] -> [..., out], each row as alone
+
+
 @dataclass(frozen=True)
 class _Layer:
     attn: torch.nn.Module  # read for layer_idx / scaling by the attention; never called
     input_norm: torch.Tensor
-    q: _Linear
-    k: _Linear
-    v: _Linear
-    o: _Linear
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before RoPE
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: _Linear
-    up: _Linear
-    down: _Linear
+    gate: Linear
+    up: Linear
+    down: Linear
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -64,9 +67,12 @@ def supports(model: PreTrainedModel) -> bool:
 
 
 class LlamaDecoder:
-    """The decoder stack of a loaded Llama-family model, as one plain forward."""
+    """The decoder stack of a loaded Llama-family model, as one plain forward.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    ``linears``: kernels that replace the model's own, by module name under the decoder
+    (``layers.3.mlp.up_proj``): the GGUF's int4 blocks (``quant.int4_linears``)."""
+
+    def __init__(self, model: PreTrainedModel, linears: Mapping[str, Linear] | None = None) -> None:
         if not supports(model):
             raise ValueError(f"{model.config.model_type!r} is not a Llama-family model: {FAMILY}")
         inner = model.get_decoder()
@@ -77,16 +83,22 @@ class LlamaDecoder:
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.layers = [self._layer(i, layer, linears or {}) for i, layer in enumerate(inner.layers)]
 
     @staticmethod
-    def _layer(layer: torch.nn.Module) -> _Layer:
+    def _layer(i: int, layer: torch.nn.Module, linears: Mapping[str, Linear]) -> _Layer:
         a, m = layer.self_attn, layer.mlp
+
+        def lin(name: str, module: torch.nn.Linear) -> Linear:
+            return linears.get(f"layers.{i}.{name}") or _Linear.of(module)
+
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return _Layer(a, layer.input_layernorm.weight, _Linear.of(a.q_proj), _Linear.of(a.k_proj),
-                      _Linear.of(a.v_proj), _Linear.of(a.o_proj), None if qn is None else qn.weight,
+        return _Layer(a, layer.input_layernorm.weight, lin("self_attn.q_proj", a.q_proj),
+                      lin("self_attn.k_proj", a.k_proj), lin("self_attn.v_proj", a.v_proj),
+                      lin("self_attn.o_proj", a.o_proj), None if qn is None else qn.weight,
                       None if kn is None else kn.weight, layer.post_attention_layernorm.weight,
-                      _Linear.of(m.gate_proj), _Linear.of(m.up_proj), _Linear.of(m.down_proj))
+                      lin("mlp.gate_proj", m.gate_proj), lin("mlp.up_proj", m.up_proj),
+                      lin("mlp.down_proj", m.down_proj))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm, op for op: fp32 statistics, the weight in the input dtype

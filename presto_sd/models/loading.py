@@ -165,6 +165,17 @@ def _target_source(spec: str | None) -> tuple[str | Path, dict]:
     return spec, {}  # a local dir or a hub id (needs a reachable hub)
 
 
+def target_gguf(spec: str | None) -> Path:
+    """The GGUF file a target spec was loaded from (the default SmolLM2's is in the cache)."""
+    spec = spec or DEFAULT_TARGET
+    if spec == DEFAULT_TARGET:
+        fetch_smollm2()
+        return cache_dir("gguf") / SMOLLM2_GGUF
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return Path(spec)
+    raise ValueError(f"target {spec!r} is not a .gguf file: the GGUF's own weights need one")
+
+
 def load_tokenizer(spec: str | None = None) -> PreTrainedTokenizerBase:
     """The target's tokenizer alone (a client of a remote verifier needs no weights)."""
     src, kwargs = _target_source(spec)

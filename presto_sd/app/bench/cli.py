@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_bench_prompts(args)
-    stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder)
+    stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder,
+                           weights=args.weights)
     config = bench_config(args, stack.verifier.eos_token_ids, stack.drafter.info())
     chat = not args.no_chat
     encoded = [BenchPrompt(p.dataset, p.id, tuple(encode_messages(stack.tokenizer, p.messages, chat)))
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "drafter": stack.assets.name,
         "machine": machine_info(info.device, info.dtype),
         "decoder": "owned" if stack.verifier.owned is not None else "transformers",
+        "weights": args.weights,
     }
     out = Path(args.out)
     if args.replay:

@@ -1,0 +1,181 @@
+"""The GGUF's own 4-bit weights as the verifier's linears: Q4_1 through torch's int4 CPU kernel.
+
+Q4_1 stores each run of 32 weights along a row as 4-bit ``q`` with an fp16 scale ``d`` and
+minimum ``m``: ``w = d * q + m``. torch's int4 weight-only kernel
+(``_weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * scale + zero`` per group of 32,
+so ``scale = d`` and ``zero = m + 8 d`` express Q4_1 with no new rounding of ``q``; the
+scales are held in the activations' dtype (bf16), so the weights the kernel sees are the
+GGUF's to bf16 precision of ``d`` and ``m + 8 d``, not the dequantized bf16 weights the
+dense path loads (``scripts/int4_probe.py`` measures both). A step reads 4.5 bits a weight
+instead of 16 or 32.
+
+Lossless still means what it means everywhere here: the kernel's rows are probed
+(``rows_agree``) for every shape before the mode is used, and AR and every speculative
+method run the same kernels, so greedy output is bitwise this mode's own AR.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from presto_sd.models.invariant import MAX_INVARIANT_ROWS, PROBE_ROWS
+
+GROUP = 32  # Q4_1's block: weights per (d, m) pair, along the input dimension
+WEIGHTS = ("dense", "gguf-int4")  # the verifier's linear weights: the loaded model's, or the GGUF's Q4_1
+
+# GGUF tensor names of a Llama block -> the module they load into (under ``model.layers.{i}``)
+_GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+class QuantError(ValueError):
+    """A model whose weights cannot run this way (no Q4_1 blocks, a mismatch, no invariant kernel)."""
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """One Q4_1 weight ``[out, in]``: ``q`` int32 in 0..15, ``d`` and ``m`` fp32 ``[out, in / 32]``."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """``d * q + m`` in fp32: what gguf's own dequantize gives, and the dense path loads."""
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // GROUP, GROUP) * self.d[..., None] + self.m[..., None]).view(n, k)
+
+    def rows(self, order: torch.Tensor) -> Q4Blocks:
+        """The blocks of output rows ``order`` (groups run along the input: rows move whole)."""
+        return Q4Blocks(self.q[order], self.d[order], self.m[order])
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, n: int, k: int) -> Q4Blocks:
+        """A Q4_1 tensor's raw bytes: per block ``d`` (fp16), ``m`` (fp16), then 16 bytes whose
+        low nibbles are weights 0..15 and high nibbles weights 16..31."""
+        blocks = np.asarray(raw).reshape(n, k // GROUP, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nib = blocks[..., 4:]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k).astype(np.int32)
+        return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q4Blocks:
+        """Q4_1 of a dense ``[out, in]`` weight as llama.cpp makes it (``d`` = range / 15 and
+        ``m`` = the block's minimum, both fp16): for tests and models without a GGUF."""
+        n, k = weight.shape
+        w = weight.detach().float().view(n, k // GROUP, GROUP)
+        lo, hi = w.amin(-1), w.amax(-1)
+        d = ((hi - lo) / 15).half().float()
+        m = lo.half().float()
+        q = torch.where(d[..., None] > 0, ((w - m[..., None]) / d[..., None].clamp_min(1e-30)).round(),
+                        torch.zeros_like(w)).clamp(0, 15)
+        return cls(q.view(n, k).int(), d, m)
+
+
+class Int4Linear:
+    """``x @ w.T`` with ``w`` the Q4_1 blocks, through torch's int4 CPU kernel in ``dtype``."""
+
+    def __init__(self, blocks: Q4Blocks, dtype: torch.dtype = torch.bfloat16) -> None:
+        n, k = blocks.q.shape
+        if k % GROUP or n % 8:
+            raise QuantError(f"a [{n}, {k}] weight: the int4 kernel needs in % {GROUP} == 0 and out % 8 == 0")
+        self.out_features, self.in_features, self.dtype = n, k, dtype
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(blocks.q.int().contiguous(), 1)
+        zeros = blocks.m + 8 * blocks.d
+        # [in / 32, out, 2]: per group and output, the scale and the zero
+        self.scales_zeros = torch.stack([blocks.d.t(), zeros.t()], -1).contiguous().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
+        return out.reshape(*lead, self.out_features)
+
+    def rows_agree(self) -> bool:
+        """Does every row come out the same in every call size up to ``MAX_INVARIANT_ROWS``,
+        and alone? (``invariant.rows_agree``'s probe, for this kernel and these weights.)"""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(MAX_INVARIANT_ROWS, self.in_features, generator=g).to(self.dtype)
+        with torch.inference_mode():
+            ref = self(x)
+            return (all(torch.equal(self(x[:m]), ref[:m]) for m in (1, *PROBE_ROWS))
+                    and all(torch.equal(self(x[i : i + 1]), ref[i : i + 1]) for i in range(8)))
+
+
+def _reverse_permute(blocks: Q4Blocks, heads: int) -> Q4Blocks:
+    """Undo llama.cpp's converter's reordering of q / k rows for its RoPE (transformers'
+    GGUF loader undoes it the same way on the dequantized weight)."""
+    n = blocks.q.shape[0]
+    dim = n // heads // 2
+    order = torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n)  # new (h, j, i) <- old (h, i, j)
+    return blocks.rows(order)
+
+
+def gguf_q4_1_blocks(path: str | Path, config) -> dict[str, Q4Blocks]:
+    """Every Q4_1 linear of a Llama-family GGUF, keyed by its module under the decoder
+    (``layers.{i}.self_attn.q_proj`` ...), rows in transformers' order."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"]
+    # llama.cpp's converter reorders q / k rows for the llama architecture only
+    permuted = bytes(arch.parts[arch.data[0]]).decode() == "llama"
+    out: dict[str, Q4Blocks] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        q4_1 = t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        if not q4_1 or parts[0] != "blk" or parts[2] not in _GGUF_TO_HF:
+            continue
+        k, n = (int(s) for s in t.shape)  # gguf lists [in, out]
+        blocks = Q4Blocks.from_gguf(t.data, n, k)
+        if permuted and parts[2] == "attn_q":
+            blocks = _reverse_permute(blocks, config.num_attention_heads)
+        elif permuted and parts[2] == "attn_k":
+            blocks = _reverse_permute(blocks, config.num_key_value_heads)
+        out[f"layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}"] = blocks
+    return out
+
+
+def int4_linears(blocks: dict[str, Q4Blocks], model: torch.nn.Module,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Int4Linear]:
+    """The kernels for ``blocks``, each checked against the loaded model: its dequantized
+    weight must be the module's weight (rounded to the model's dtype: the same tensor
+    the loader made), and its rows must agree in every call size. Every linear of every
+    layer must be there: a half-quantized model is refused."""
+    decoder = model.get_decoder()
+    wanted = {name for name, m in decoder.named_modules()
+              if isinstance(m, torch.nn.Linear) and name.startswith("layers.")}
+    if set(blocks) != wanted:
+        missing, extra = sorted(wanted - set(blocks)), sorted(set(blocks) - wanted)
+        raise QuantError(f"the GGUF's Q4_1 linears do not cover the model: missing {missing[:4]}, "
+                         f"unknown {extra[:4]}")
+    out: dict[str, Int4Linear] = {}
+    probed: dict[tuple[int, int], bool] = {}
+    for name, b in blocks.items():
+        module = decoder.get_submodule(name)
+        if module.bias is not None:
+            raise QuantError(f"{name} has a bias: the int4 path runs bias-free linears only")
+        if not torch.equal(b.dequantize().to(module.weight.dtype), module.weight.detach().cpu()):
+            raise QuantError(f"{name}: the GGUF's blocks are not the loaded weight (another file?)")
+        lin = Int4Linear(b, dtype)
+        shape = (lin.in_features, lin.out_features)
+        if shape not in probed:
+            probed[shape] = lin.rows_agree()
+        if not probed[shape]:
+            raise QuantError(f"the int4 kernel rounds a row by its batch at {shape} here: not lossless")
+        out[name] = lin
+    return out
+
+
+def weights_help(choices: Iterable[str] = WEIGHTS) -> str:
+    return ("the verifier's linear weights: 'dense' (the loaded model's), or 'gguf-int4' (the target "
+            "GGUF's own Q4_1 blocks through torch's int4 CPU kernel, activations in bf16; every method "
+            f"stays bitwise this mode's AR) [{', '.join(choices)}]")

@@ -1,0 +1,128 @@
+"""The GGUF's own Q4_1 weights through torch's int4 CPU kernel (``presto_sd.models.quant``)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+from presto_sd.embedded.dflash_drafter import DFlashDrafter
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.loop.generate import GenerationParams, generate
+from presto_sd.method.builders import TreeParams
+from presto_sd.models.quant import GROUP, Int4Linear, Q4Blocks, QuantError, _reverse_permute, int4_linears
+from tests.conftest import tiny_drafter_model, tiny_llama
+
+METHODS = ("linear", "marginal", "presto-beam", "presto-best-first", "taps")
+
+
+def test_blocks_read_from_gguf_bytes_are_ggufs_own_dequantization():
+    w = np.random.default_rng(0).standard_normal((16, 4 * GROUP)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    ours = Q4Blocks.from_gguf(raw, 16, 4 * GROUP).dequantize()
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(16, 4 * GROUP)
+    assert torch.equal(ours, torch.from_numpy(theirs))
+
+
+def test_quantize_is_llama_cpps_q4_1():
+    w = np.random.default_rng(1).standard_normal((8, 2 * GROUP)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(8, -1))
+    ours = Q4Blocks.quantize(torch.from_numpy(w)).dequantize()
+    # llama.cpp rounds q its own way (x * (1/d) + 0.5): a weight may land one step apart
+    step = (ours - theirs).abs().max()
+    assert step <= Q4Blocks.quantize(torch.from_numpy(w)).d.max() * 1.01
+
+
+def test_q_and_k_rows_are_reordered_as_transformers_loader_does():
+    heads, n, k = 4, 32, GROUP
+    blocks = Q4Blocks.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(2)))
+    theirs = LlamaTensorProcessor()._reverse_permute_weights(blocks.dequantize().numpy(), heads, heads)
+    assert torch.equal(_reverse_permute(blocks, heads).dequantize(), torch.from_numpy(theirs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_multiplies_by_the_blocks(dtype):
+    g = torch.Generator().manual_seed(3)
+    blocks = Q4Blocks.quantize(torch.randn(64, 3 * GROUP, generator=g))
+    lin = Int4Linear(blocks, dtype)
+    x = torch.randn(5, 3 * GROUP, generator=g).to(dtype)
+    ref = x.float() @ blocks.dequantize().t()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(lin(x).float(), ref, atol=tol, rtol=tol)
+    if dtype == torch.float32:  # fp32 scales: the kernel's weights are the dequantized ones, exactly
+        eye = torch.eye(3 * GROUP)
+        assert torch.equal(lin(eye).t(), blocks.dequantize())
+    assert lin(x[None, :3]).shape == (1, 3, 64)  # leading dims kept
+    assert lin.rows_agree()
+
+
+def _quantized_tiny(dtype: torch.dtype):
+    """A tiny Llama whose linears hold Q4_1 values (as a GGUF-loaded model does), and their blocks."""
+    model = tiny_llama(vocab=64).to(dtype)
+    blocks = {}
+    for name, m in model.get_decoder().named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("layers."):
+            blocks[name] = Q4Blocks.quantize(m.weight.float())
+            with torch.no_grad():
+                m.weight.copy_(blocks[name].dequantize().to(dtype))
+    return model, blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_method_is_bitwise_the_int4_modes_own_ar(dtype):
+    model, blocks = _quantized_tiny(dtype)
+    draft_model = tiny_drafter_model(model).to(dtype)
+    linears = int4_linears(blocks, model, dtype)
+    verifier = HFVerifier(model, draft_model.config.target_layer_ids, linears=linears)
+    assert verifier.row_invariant and verifier.owned is not None
+    drafter = DFlashDrafter(draft_model, model.get_input_embeddings().weight.detach(),
+                            model.get_output_embeddings().weight.detach())
+    prompt = [1, 5, 9, 13]
+    ar = generate(verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=24)).token_ids
+    for method in METHODS:
+        tree = TreeParams(method, budget=8, depth=4)
+        params = GenerationParams(method=method, tree=tree, max_new_tokens=24)
+        assert generate(verifier, drafter, prompt, params).token_ids == ar, method
+
+
+def test_the_int4_mode_computes_with_the_blocks_not_the_dense_weights():
+    model, blocks = _quantized_tiny(torch.float32)
+    linears = int4_linears(blocks, model, torch.float32)
+    int4 = HFVerifier(model, (0, 1), linears=linears)
+    name = "layers.0.mlp.up_proj"
+    assert int4.owned.layers[0].up is linears[name]
+
+
+def test_blocks_that_are_not_the_loaded_weights_are_refused():
+    model, blocks = _quantized_tiny(torch.float32)
+    other = dict(blocks)
+    name = "layers.1.self_attn.o_proj"
+    other[name] = Q4Blocks.quantize(torch.randn_like(blocks[name].dequantize()))
+    with pytest.raises(QuantError, match="not the loaded weight"):
+        int4_linears(other, model, torch.float32)
+    del other[name]
+    with pytest.raises(QuantError, match="do not cover"):
+        int4_linears(other, model, torch.float32)
+
+
+def test_linears_need_the_owned_decoder():
+    model, blocks = _quantized_tiny(torch.float32)
+    with pytest.raises(ValueError, match="owned decoder"):
+        HFVerifier(model, (0, 1), decoder="transformers", linears=int4_linears(blocks, model, torch.float32))
+
+
+@pytest.mark.smollm2
+def test_smollm2_gguf_int4_every_method_is_bitwise_its_ar(smollm2_dir):
+    from presto_sd.embedded.stack import build_embedded
+
+    built = build_embedded(weights="gguf-int4", device=torch.device("cpu"))
+    assert built.verifier.row_invariant
+    prompt = built.tokenizer.encode("Write a Python function that adds two numbers.")
+    ar = generate(built.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=32)).token_ids
+    for method in ("linear", "presto-best-first", "taps"):
+        tree = TreeParams(method, budget=8, depth=7)
+        params = GenerationParams(method=method, tree=tree, max_new_tokens=32)
+        assert generate(built.verifier, built.drafter, prompt, params).token_ids == ar, method
