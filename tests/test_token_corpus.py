@@ -159,3 +159,19 @@ def test_a_drafter_trains_on_the_corpus_with_soft_labels(tiny_target_dir, tmp_pa
         sources="arith", n_arith=2, max_new_tokens=6, batch_size=2))
     with pytest.raises(ValueError, match="soft labels"):
         make_batch(load_shards(plain), cfg, DraftVocab(torch.arange(64), 49152).t2d, random.Random(0))
+
+
+def test_acceptance_traces_take_held_out_prompts_from_the_corpus(tmp_path):
+    from presto_sd.app.training.acceptance import corpus_prompts
+
+    corpus = Corpus(tmp_path / "c")
+    corpus.open_plan({"seed": 0}, "tok")
+    for i in range(3):
+        prompts = tuple((10 * i + j, 1) for j in range(4))
+        corpus.write(i, IdShard(tuple(f"s{i}/{j}" for j in range(4)), prompts, ((5,),) * 4), {})
+    got = corpus_prompts(tmp_path / "c", 1, 4)  # shards 1 and 2: the ones a drafter of shard 0 never saw
+    assert got == [[10, 1], [12, 1], [20, 1], [22, 1]]
+    with pytest.raises(ValueError, match="from index 3"):
+        corpus_prompts(tmp_path / "c", 3, 4)
+    with pytest.raises(ValueError, match="9 asked"):
+        corpus_prompts(tmp_path / "c", 1, 9)

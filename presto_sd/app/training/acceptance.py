@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,12 @@ class AcceptanceConfig:
     epochs: int = 30
     seed: int = 0
     keep_traces: bool = False  # also write traces.pt (tens of MB) beside the predictors
+    # trace prompts from the repo corpus's shards from this index on (the ones the drafter
+    # did not train on); "" = gen-data's plan tail, else ShareGPT's train tail
+    corpus: str = field(default="", metadata={
+        "help": "a repo corpus dir to take held-out trace prompts from"})
+    corpus_from_shard: int = field(default=0, metadata={
+        "help": "with --corpus: its shards from this index on (those past the drafter's training prefix)"})
 
 
 @dataclass
@@ -233,6 +239,8 @@ def trace_prompts(cfg: AcceptanceConfig, tok) -> list[list[int]]:
     from presto_sd.app.datasets import load_prompts
     from presto_sd.models.loading import encode_messages
 
+    if cfg.corpus:
+        return corpus_prompts(cfg.corpus, cfg.corpus_from_shard, cfg.n_prompts)
     plan = Path(cfg.data) / "plan.json"
     if plan.exists():
         batches = json.loads(plan.read_text())["batches"]
@@ -244,6 +252,22 @@ def trace_prompts(cfg: AcceptanceConfig, tok) -> list[list[int]]:
     prompts = load_prompts("sharegpt", "train")[-cfg.n_prompts :]
     encoded = [encode_messages(tok, p.messages) for p in prompts]
     return [e for e in encoded if len(e) <= 256]
+
+
+def corpus_prompts(corpus: str | Path, from_shard: int, n: int) -> list[list[int]]:
+    """``n`` prompts spread over the repo corpus's shards from ``from_shard`` on (each a
+    plan batch: every source, every length)."""
+    from presto_sd.app.training.token_corpus import Corpus
+
+    c = Corpus(corpus)
+    shards = [i for i in c.indices() if i >= from_shard]
+    if not shards:
+        raise ValueError(f"corpus {corpus} has no shard from index {from_shard} on")
+    prompts = [list(p) for i in shards for p in c.read(i).prompts]
+    if len(prompts) < n:
+        raise ValueError(f"corpus {corpus}: {len(prompts)} prompts from shard {from_shard} on, {n} asked")
+    step = len(prompts) // n
+    return prompts[::step][:n]
 
 
 def train_acceptance(cfg: AcceptanceConfig) -> dict:
