@@ -16,7 +16,6 @@ method run the same kernels, so greedy output is bitwise this mode's own AR.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,8 +173,3 @@ def int4_linears(blocks: dict[str, Q4Blocks], model: torch.nn.Module,
         out[name] = lin
     return out
 
-
-def weights_help(choices: Iterable[str] = WEIGHTS) -> str:
-    return ("the verifier's linear weights: 'dense' (the loaded model's), or 'gguf-int4' (the target "
-            "GGUF's own Q4_1 blocks through torch's int4 CPU kernel, activations in bf16; every method "
-            f"stays bitwise this mode's AR) [{', '.join(choices)}]")
