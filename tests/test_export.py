@@ -23,6 +23,7 @@ def test_export_casts_the_weights_and_keeps_the_log_and_report(tiny_target, tmp_
 
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "training_report.json",
                                                "train_log.jsonl"}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     shipped = DFlashDraftModel.load(out, dtype=torch.bfloat16)
     for (name, a), (_, b) in zip(model.state_dict().items(), shipped.state_dict().items()):
         assert torch.equal(a.to(torch.bfloat16), b), name  # the weights, rounded once to bf16

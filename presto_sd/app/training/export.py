@@ -8,6 +8,7 @@ then adds the predictors and the ``sha256.json`` that guards the whole directory
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,9 @@ def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype =
         raise FileExistsError(f"{out} is not empty: export writes a new drafter dir")
     model = DFlashDraftModel.load(checkpoint)  # refuses missing or unexpected weights
     model.save(out, dtype=dtype)
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")  # what the weights on disk are
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in KEPT:
         found = next((p for p in (checkpoint / name, checkpoint.parent / name) if p.is_file()), None)
         if found is not None:
