@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from presto_sd.models.invariant import MAX_INVARIANT_ROWS, PROBE_ROWS
+from presto_sd.models.invariant import PROBE_ROWS, rows_agree_in
 
 GROUP = 32  # Q4_1's block: weights per (d, m) pair, along the input dimension
 WEIGHTS = ("dense", "gguf-int4")  # the verifier's linear weights: the loaded model's, or the GGUF's Q4_1
@@ -99,14 +99,9 @@ class Int4Linear:
         return out.reshape(*lead, self.out_features)
 
     def rows_agree(self) -> bool:
-        """Does every row come out the same in every call size up to ``MAX_INVARIANT_ROWS``,
-        and alone? (``invariant.rows_agree``'s probe, for this kernel and these weights.)"""
+        """The dense kernels' probe (``invariant.rows_agree_in``), for this kernel and these weights."""
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(MAX_INVARIANT_ROWS, self.in_features, generator=g).to(self.dtype)
-        with torch.inference_mode():
-            ref = self(x)
-            return (all(torch.equal(self(x[:m]), ref[:m]) for m in (1, *PROBE_ROWS))
-                    and all(torch.equal(self(x[i : i + 1]), ref[i : i + 1]) for i in range(8)))
+        return rows_agree_in(self, torch.randn(max(PROBE_ROWS), self.in_features, generator=g).to(self.dtype))
 
 
 def _reverse_permute(blocks: Q4Blocks, heads: int) -> Q4Blocks:
