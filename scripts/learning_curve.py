@@ -12,6 +12,10 @@ A point already in the file is skipped, so the script resumes where it stopped.
     nice -n 10 .venv/bin/python scripts/learning_curve.py --sizes 500000,1000000,2000000 \\
         --steps 3000 --soft-weight 0.5
     .venv/bin/python scripts/learning_curve.py --plot
+
+A warm point (``--warm-from DRAFTER --warm-skip-shards N``) starts from a trained drafter
+(its weights and token map) and trains on ``size`` response tokens of the shards after its
+parent's first N: the steps a CPU session affords, spent on data the parent never saw.
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ REPLAY_ARGS = ["--datasets", "gsm8k,humaneval,mtbench", "--n", "8", "--methods",
                "--budgets", "16", "--max-new-tokens", "128", "--no-progress"]
 
 
-def prefix_shards(manifest: dict, size: int) -> int | None:
-    """The fewest leading shards (0, 1, ... with none missing) holding >= ``size`` response tokens."""
+def prefix_shards(manifest: dict, size: int, first: int = 0) -> int | None:
+    """The fewest shards from ``first`` on (none missing) holding >= ``size`` response tokens."""
     total, n = 0, 0
-    while str(n) in manifest["shards"]:
-        total += manifest["shards"][str(n)]["response_tokens"]
+    while str(first + n) in manifest["shards"]:
+        total += manifest["shards"][str(first + n)]["response_tokens"]
         n += 1
         if total >= size:
             return n
@@ -42,7 +46,8 @@ def prefix_shards(manifest: dict, size: int) -> int | None:
 
 
 def point_name(size: int, args: argparse.Namespace) -> str:
-    return f"{size // 1000}k-s{args.steps}-soft{args.soft_weight:g}"
+    warm = f"warm{args.warm_skip_shards}-" if args.warm_from else ""
+    return f"{warm}{size // 1000}k-s{args.steps}-soft{args.soft_weight:g}"
 
 
 def done_points() -> set[str]:
@@ -61,19 +66,21 @@ def run_point(size: int, args: argparse.Namespace) -> dict:
     from presto_sd.models.loading import load_target
 
     corpus = Corpus(args.corpus)
-    while (n := prefix_shards(corpus.manifest(), size)) is None:
+    first = args.warm_skip_shards if args.warm_from else 0
+    while (n := prefix_shards(corpus.manifest(), size, first)) is None:
         print(f"learning-curve: waiting for {size:,} response tokens in {args.corpus}", flush=True)
         time.sleep(120)
     name = point_name(size, args)
     t0 = time.perf_counter()
     model, _ = load_target(None, torch.device("cpu"), torch.bfloat16)
-    data = materialize(args.corpus, cache_dir("data", f"curve-{n}shards"), model, None,
-                       (1, 8, 14, 20, 27), max_shards=n)
+    data = materialize(args.corpus, cache_dir("data", f"curve-{first}+{n}shards"), model, None,
+                       (1, 8, 14, 20, 27), max_shards=n, first_shard=first)
     del model
     t_feat = time.perf_counter() - t0
     run = ROOT / "runs" / "curve" / name
     cfg = TrainConfig(data=str(data), out=str(run), steps=args.steps, batch_seqs=8, anchors_per_seq=16,
-                      ckpt_every=250, soft_weight=args.soft_weight)
+                      ckpt_every=250, soft_weight=args.soft_weight, lr=args.lr,
+                      init_drafter=args.warm_from or "")
     drafter = train_drafter(cfg)
     t_train = time.perf_counter() - t0 - t_feat
     out = run / "replay"
@@ -85,9 +92,11 @@ def run_point(size: int, args: argparse.Namespace) -> dict:
     report = json.loads((drafter / "training_report.json").read_text())
     return {
         "name": name, "size": size, "shards": n,
-        "response_tokens": sum(manifest[str(i)]["response_tokens"] for i in range(n)),
-        "tokens": sum(manifest[str(i)]["tokens"] for i in range(n)),
-        "steps": args.steps, "soft_weight": args.soft_weight, "heldout_acc": report["heldout_acc"],
+        # a warm point counts its parent's data too: every token the drafter has trained on
+        "response_tokens": sum(manifest[str(i)]["response_tokens"] for i in range(first + n)),
+        "tokens": sum(manifest[str(i)]["tokens"] for i in range(first + n)),
+        "warm_from": args.warm_from, "first_shard": first, "lr": args.lr, "steps": args.steps,
+        "soft_weight": args.soft_weight, "heldout_acc": report["heldout_acc"],
         "oov_label_rate": report["oov_label_rate"],
         "top1": {ds: v["recall"]["1"][0] for ds, v in replay["positions"].items()},
         "tau": _taus(replay),
@@ -146,7 +155,12 @@ def main() -> None:
     p.add_argument("--sizes", default="500000,1000000,2000000", help="response tokens per point")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--soft-weight", type=float, default=0.5)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus", default=str(ROOT / "corpus" / "smollm2-135m"))
+    p.add_argument("--warm-from", default=None, metavar="DRAFTER",
+                   help="start from this trained drafter dir instead of the target's layers")
+    p.add_argument("--warm-skip-shards", type=int, default=0, metavar="N",
+                   help="with --warm-from: the parent trained on shards [0, N); train on the ones after")
     p.add_argument("--plot", action="store_true", help="only draw the plot from the results file")
     p.add_argument("--add-shipped", metavar="REPLAY_JSON",
                    help="record the shipped drafter's replay (bench --replay with the same flags) as size 0")

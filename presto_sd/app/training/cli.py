@@ -70,7 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     feat.add_argument("--top-k", type=int, default=16, help="soft labels per position (default: %(default)s)")
     feat.add_argument("--dtype", default="bfloat16",
                       help="(default: %(default)s; float32 on a CPU without native bf16)")
-    feat.add_argument("--max-shards", type=int, default=0, help="the first n shards only (default: all)")
+    feat.add_argument("--max-shards", type=int, default=0, help="n shards only (default: all)")
+    feat.add_argument("--first-shard", type=int, default=0,
+                      help="start at this shard, e.g. the first one a warm-started drafter's parent "
+                           "never saw (default: %(default)s)")
 
     dr = tsub.add_parser("drafter", help="train a DFlash drafter on gen-data shards (resumable)")
     _add_dataclass_args(dr, TrainConfig, skip=("data", "out"))
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
         model, _ = load_target(args.target, torch.device("cpu"), getattr(torch, args.dtype))
         layers = tuple(int(x) for x in args.target_layer_ids.split(","))
-        print(materialize(args.corpus, args.out, model, args.target, layers, args.top_k, args.max_shards))
+        print(materialize(args.corpus, args.out, model, args.target, layers, args.top_k, args.max_shards,
+                          args.first_shard))
     elif args.train_command == "drafter":
         from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 

@@ -88,14 +88,18 @@ def feature_cache_path(sha256: str, layer_ids: tuple[int, ...], top_k: int, dtyp
 
 
 def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | None,
-                layer_ids: tuple[int, ...], top_k: int = SOFT_TOP_K, max_shards: int = 0) -> Path:
+                layer_ids: tuple[int, ...], top_k: int = SOFT_TOP_K, max_shards: int = 0,
+                first_shard: int = 0) -> Path:
     """A ``train drafter --data`` dir for the corpus: each shard's features from the cache,
-    prefilled first where missing. Returns ``out``; its ``meta.json`` states the prefill rate."""
+    prefilled first where missing. Returns ``out``; its ``meta.json`` states the prefill rate.
+
+    ``first_shard``/``max_shards`` pick a window of shards in corpus order (a warm-started
+    drafter trains on the shards its parent never saw)."""
     corpus = Corpus(corpus_dir)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
-    indices = corpus.indices()[: max_shards or None]
+    indices = [i for i in corpus.indices() if i >= first_shard][: max_shards or None]
     entries = corpus.manifest()["shards"]
     prefilled_tokens, prefill_s = 0, 0.0
     for i in tqdm(indices, desc="features", unit="shard", mininterval=10):
@@ -114,6 +118,7 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
         link.symlink_to(cached)
     meta = {"target": target, "target_layer_ids": list(layer_ids), "top_k": top_k,
             "dtype": str(dtype).removeprefix("torch."), "corpus": str(corpus_dir), "shards": len(indices),
+            "first_shard": indices[0] if indices else None,
             "prefilled_tokens": prefilled_tokens, "prefill_seconds": round(prefill_s, 1),
             "prefill_tokens_per_s": round(prefilled_tokens / prefill_s, 1) if prefill_s else None}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
