@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from presto_sd.engine.messages import DrafterUnavailableError, LimitExceededError, VerifierUnavailableError
+from presto_sd.engine.verifier import PrefillCall
 from presto_sd.loop.faults import FaultPolicy
 from presto_sd.loop.generate import GenerationParams, stream_generate
 from presto_sd.method.acceptance import SamplingParams
@@ -39,6 +40,14 @@ class Flaky:
     def restart(self) -> None:
         """Sessions lost, as in a new process."""
         self.inner.sessions.clear()
+
+
+def _prefills(verifier: Flaky) -> list[PrefillCall]:
+    """Every prefill the verifier was sent: alone, or as an item of a batch (the step's forward)."""
+    out = [PrefillCall(a[0], tuple(a[1]), *a[2:], **kw) for a, kw in verifier.calls.get("prefill", [])]
+    for (calls,), _ in verifier.calls.get("verify_batch", []):
+        out.extend(c for c in calls if isinstance(c, PrefillCall))
+    return out
 
 
 def _params(n: int, **kw) -> GenerationParams:
@@ -94,8 +103,8 @@ def test_verifier_lost_is_re_prefilled(tiny_target, unavailable_calls):
 
     tokens, _ = _drive(verifier, drafter, 40, {3: lose, 9: lose})
     assert tokens == hf_greedy(tiny_target, PROMPT, 40)
-    prefills = [kw for _, kw in verifier.calls["prefill"][-2:]]
-    assert all(kw.get("anchor") is not None for kw in prefills)  # the pending anchor given, not redrawn
+    re_prefills = _prefills(verifier)[1:]
+    assert len(re_prefills) >= 2 and all(c.anchor is not None and c.restart for c in re_prefills)
     assert not inner.sessions
 
 
@@ -117,5 +126,5 @@ def test_sampling_resumes_with_a_fresh_seed(tiny_target):
     sampling = SamplingParams(temperature=1.0, seed=7)
     tokens, _ = _drive(verifier, drafter, 30, {4: verifier.restart}, sampling=sampling)
     assert len(tokens) == 30
-    first, resumed = verifier.calls["prefill"]
-    assert first[0][2].seed == 7 and resumed[0][2].seed not in (None, 7)
+    first, resumed = _prefills(verifier)
+    assert first.sampling.seed == 7 and resumed.sampling.seed not in (None, 7)

@@ -20,6 +20,7 @@ from presto_sd.engine.messages import (
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
+    answer_of,
     check_base,
     session_tag,
 )
@@ -248,7 +249,7 @@ class DFlashDrafter(Drafter):
                     self.commit(c.session_id, c.commit)  # checks its delta before it changes anything
                 todo.append((j, *checked))
             except EngineError as e:
-                out[j] = e
+                out[j] = answer_of(e)
         if not todo:
             return out
         t0 = time.perf_counter()
@@ -259,7 +260,7 @@ class DFlashDrafter(Drafter):
             try:
                 out[j] = self._build(s, calls[j], m, rho, sizes_itself, forward_s)
             except EngineError as e:
-                out[j] = e
+                out[j] = answer_of(e)
         return out
 
     def _check_draft(self, c: DraftCall) -> tuple[_DraftSession, RhoProvider | None, bool, int]:

@@ -29,6 +29,7 @@ from presto_sd.engine.messages import (
     FeatureDelta,
     InvalidArgumentError,
     LimitExceededError,
+    answer_of,
     check_base,
     session_tag,
 )
@@ -363,7 +364,7 @@ class HFVerifier(Verifier):
                         verifies.append((j, s))
                     rows += n
                 except EngineError as e:
-                    out[j] = e
+                    out[j] = answer_of(e)
             if verifies or prompts:
                 answers = self._run([(s, calls[j]) for j, s in verifies],
                                     [(calls[j], seat) for j, seat in prompts])

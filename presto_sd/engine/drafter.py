@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from presto_sd.engine.messages import EngineError, FeatureDelta
+from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.scores import DraftMarginals
@@ -84,7 +84,7 @@ class Drafter(ABC):
                 else:
                     out.append(self.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.params))
             except EngineError as e:
-                out.append(e)
+                out.append(answer_of(e))
         return out
 
     def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,

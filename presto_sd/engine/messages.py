@@ -89,6 +89,13 @@ class FeatureDelta:
         return self.start + len(self.tokens)
 
 
+def answer_of(error: EngineError) -> EngineError:
+    """A refusal as a batched call's answer for one item: without its traceback, which
+    would hold the raising frame (and every session it touched) in a reference cycle, so
+    a finished session's KV would wait for the garbage collector to come back."""
+    return error.with_traceback(None)
+
+
 def session_tag(session_id: str) -> str:
     """How logs and error messages name a session: a short hash of its id, never the id
     (whoever knows an id may act on that session, within its principal)."""

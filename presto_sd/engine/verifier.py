@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from presto_sd.engine.messages import EngineError, FeatureDelta
+from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.batch_cost import SharedForward
@@ -131,7 +131,7 @@ class Verifier(ABC):
                 else:
                     out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs))
             except EngineError as e:
-                out.append(e)
+                out.append(answer_of(e))
         return out
 
     def step(self, session_id: str, base: int, anchor: int) -> VerifyResult:
