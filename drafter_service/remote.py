@@ -12,7 +12,7 @@ from drafter_service import wire
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
 from presto_sd.engine.messages import DrafterUnavailableError, EngineError, FeatureDelta
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import RoundContext, TreeParams
 from presto_sd.rpc.client import ClientConfig, RpcClient
 from presto_sd.rpc.errors import RemoteError
 from presto_sd.rpc.wire import delta_to_pb, session_ref_to_pb
@@ -44,14 +44,16 @@ class RemoteDrafter(Drafter):
                                                     restart=restart)
         return self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s).base
 
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        request = wire.draft_request_to_pb(DraftCall(session_id, anchor, base, params), self.want_marginals)
+    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+              context: RoundContext = RoundContext()) -> DraftResult:
+        request = wire.draft_request_to_pb(DraftCall(session_id, anchor, base, params, context=context),
+                                           self.want_marginals)
         return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
 
     def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
-                         params: TreeParams) -> DraftResult:
+                         params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
         """One ``Draft`` call carrying the commit: one round trip for both."""
-        call = DraftCall(session_id, anchor, base, params, commit=delta)
+        call = DraftCall(session_id, anchor, base, params, commit=delta, context=context)
         request = wire.draft_request_to_pb(call, self.want_marginals)
         return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
 

@@ -37,9 +37,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         c = await off_loop(request.commit.ByteSize(), wire.draft_call_from_pb, request)  # a commit's features
         sid = self.session_key(c.session_id)
         if c.commit is None:
-            res = await self.run(context, "draft", sid, c.anchor, c.base, c.params)
+            res = await self.run(context, "draft", sid, c.anchor, c.base, c.params, c.context)
         else:
-            res = await self.run(context, "commit_and_draft", sid, c.commit, c.anchor, c.base, c.params)
+            res = await self.run(context, "commit_and_draft", sid, c.commit, c.anchor, c.base, c.params,
+                                 c.context)
         return wire.draft_result_to_pb(res, request.want_marginals)
 
     async def DraftBatch(self, request, context: grpc.aio.ServicerContext):

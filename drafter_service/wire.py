@@ -20,6 +20,7 @@ from presto_sd.rpc.wire import (
     items_from_pb,
     memory_from_pb,
     memory_to_pb,
+    round_context_from_pb,
     session_ref_from_pb,
     session_ref_to_pb,
     tensor_from_pb,
@@ -73,14 +74,15 @@ def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
 
 def draft_request_to_pb(c: DraftCall, want_marginals: bool) -> pb.DraftRequest:
     return pb.DraftRequest(session=session_ref_to_pb(c.session_id, c.base), anchor=c.anchor,
-                           params=tree_params_to_pb(c.params), want_marginals=want_marginals,
+                           params=tree_params_to_pb(c.params, c.context), want_marginals=want_marginals,
                            commit=None if c.commit is None else delta_to_pb(c.commit))
 
 
 def draft_call_from_pb(msg: pb.DraftRequest) -> DraftCall:
     sid, base = session_ref_from_pb(msg.session)
     commit = delta_from_pb(msg.commit) if msg.HasField("commit") else None
-    return DraftCall(sid, msg.anchor, base, tree_params_from_pb(msg.params), commit)
+    return DraftCall(sid, msg.anchor, base, tree_params_from_pb(msg.params), commit,
+                     round_context_from_pb(msg.params))
 
 
 def draft_calls_from_pb(msg: pb.DraftBatchRequest) -> list[DraftCall | EngineError]:

@@ -1,14 +1,16 @@
 """The orchestrator: many concurrent requests over drafter and verifier replicas.
 
-Each request runs the ordinary generation loop (``stream_generate``: the same rounds,
-stop handling and fault links as embedded mode) on its own thread, over engines routed to
-the replicas that hold its sessions (``routing.py``). Threads block in Ray calls with
-the GIL released, so while one request waits for its verify batch another drafts: rounds
-of different requests overlap on the drafter and verifier actors, and the verify calls
-queued on a replica while it is busy go out together as one ``verify_batch``.
+One step engine (``presto_sd.loop.engine``: the scheduler that owns every sequence, and
+its ``step()``) runs on one thread, the step loop, over the replica pools as one drafter
+and one verifier (``routing.py``): each step is one ``draft_batch`` and one
+``verify_batch`` over every running request, split per home replica. Requests and
+cancellations reach the loop through its inbox; each request's chunks go to its sink as
+the step that made them ends. No thread per request, no batch formed by waiting: the
+batch is the scheduler's decision.
 
 The output of every request is exactly its embedded output (greedy: the target's AR
-output), because each round is the same engine calls on the same session state.
+output): each round is the same engine calls on the same session state, and the engines
+are row-invariant.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from dataclasses import dataclass, field
 from ray.exceptions import ActorDiedError
 
 from orchestrator.actors import EngineStats, ReplicaSpec, engine_stats, start_engine
-from orchestrator.batching import Batcher
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool, Timeouts
 from orchestrator.requests import ChunkStats, GenerateJob, StreamChunk
-from orchestrator.routing import Route, RoutedDrafter, RoutedVerifier
+from orchestrator.routing import PooledDrafter, PooledVerifier
 from presto_sd.engine.messages import AlreadyExistsError, EngineError, LimitExceededError
-from presto_sd.loop.generate import TokenChunk, stream_generate
-from presto_sd.method.methods import get_method
+from presto_sd.loop.engine import StepEngine
+from presto_sd.loop.scheduler import SchedulerConfig
+from presto_sd.loop.sequence import Sequence as Seq
+from presto_sd.loop.sequence import TokenChunk
 
 _END = object()  # the stream's end marker, after the last chunk or the error
 
@@ -38,9 +41,9 @@ _END = object()  # the stream's end marker, after the last chunk or the error
 @dataclass(frozen=True)
 class OrchestratorConfig:
     max_requests: int = 256  # concurrent requests; one more is RESOURCE_EXHAUSTED
-    max_batch: int = 64  # trees per verify_batch (an AR step is a one-node tree)
-    max_batch_tokens: int = 1024  # tree nodes and prompt tokens per verify_batch: one forward's new tokens
-    max_batch_prefill_tokens: int = 512  # prompt tokens per verify_batch (longer prompts go alone)
+    max_batch: int = 64  # sequences decoding in one step (an AR step is a one-node tree)
+    max_batch_tokens: int = 1024  # tree nodes and prompt tokens per step: one forward's new tokens
+    max_batch_prefill_tokens: int = 512  # prompt tokens per step (a longer prompt goes by its own call)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
@@ -54,49 +57,31 @@ class OrchestratorConfig:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens}: at most {MAX_INVARIANT_ROWS}, the "
                              "rows a verifier forward's kernels are probed row-invariant for")
 
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(max_seqs=self.max_batch, max_step_tokens=self.max_batch_tokens,
+                               max_prefill_tokens=max(1, self.max_batch_prefill_tokens))
+
 
 class RequestStream:
-    """One request on its own thread; chunks (then an error or the end) go to ``sink``."""
+    """One request: its job, where its chunks go (``sink``), and the text sent so far."""
 
     def __init__(self, orch: Orchestrator, job: GenerateJob, sink: Callable[[object], None]) -> None:
         self.job, self.sink, self.orch = job, sink, orch
-        self.route = Route(job.session_id)
-        self.drafter = RoutedDrafter(orch.drafters, self.route, orch.metrics, orch.batchers)
-        self.verifier = RoutedVerifier(orch.verifiers, self.route, orch.metrics, orch.batchers)
         self.tokens: list[int] = list(job.resume)  # committed output so far, resumed or not
         # the text a resumed stream's client has: its whole characters
         self._text = orch.detokenize(self.tokens).rstrip("\ufffd") if job.resume and orch.detokenize else ""
-        self._cancelled = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"request-{job.session_id[:8]}")
+        self.seq: Seq | None = None  # the step engine's, once the loop took the request
+        self.last_chunk_at = time.perf_counter()
 
     def cancel(self) -> None:
-        """Stop after the round in flight; both sessions are closed."""
-        self._cancelled.set()
+        """Stop after the step in flight; both sessions are closed."""
+        self.orch._inbox.put(("cancel", self))
 
-    def _run(self) -> None:
-        job, method = self.job, get_method(self.job.params.method)
-        finish, error = "cancelled", None
-        stream = stream_generate(self.verifier, self.drafter if method.needs_drafter else None,
-                                 list(job.prompt_ids), job.params, self.orch.detokenize, job.session_id,
-                                 resume=job.resume)
-        try:
-            t0 = time.perf_counter()
-            for chunk in stream:
-                now = time.perf_counter()
-                self.sink(self._chunk(chunk, now - t0))
-                t0 = now
-                finish = chunk.finish_reason or finish
-                if self._cancelled.is_set():
-                    break
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, as the loop raised it
-            finish = f"error:{e.code}" if isinstance(e, EngineError) else "error:INTERNAL"
-            error = e
-        finally:
-            stream.close()  # a loop stopped early closes both sessions in its finally
-            self.orch._finished(self, finish)  # before the consumer hears of the end, error or not
-            if error is not None:
-                self.sink(error)
-            self.sink(_END)
+    def deliver(self, chunk: TokenChunk) -> None:
+        now = time.perf_counter()
+        self.sink(self._chunk(chunk, now - self.last_chunk_at))
+        self.last_chunk_at = now
 
     def _chunk(self, chunk: TokenChunk, wall_s: float) -> StreamChunk:
         self.tokens.extend(chunk.tokens)
@@ -105,15 +90,21 @@ class RequestStream:
             full = self.orch.detokenize(self.tokens)
             if not full.endswith("\ufffd") and full.startswith(self._text):  # whole characters only
                 text, self._text = full[len(self._text):], full
-        draft_s, verify_s, queue_s = self.route.take_times()
+        sid = self.job.session_id
+        draft_s, verify_s = self.orch.drafter.take_times(sid), self.orch.verifier.take_times(sid)
         method = self.job.params.method
         if chunk.round is None:
             self.orch.metrics.first_token(method)
             return StreamChunk(chunk.tokens, text, None, chunk.finish_reason)
         r = chunk.round
-        stats = ChunkStats(r.accepted, r.tree_size, draft_s, verify_s, queue_s,
-                           max(0.0, wall_s - draft_s - verify_s - queue_s), r.fallback, r.gated)
-        phases = {"draft": draft_s, "verify": verify_s, "queue": queue_s, "transfer": stats.transfer_s}
+        # the round's wall time beyond its engines' work: waiting in the step (other
+        # sequences' prompts, the loop) and the calls' transport (actor hop, network)
+        calls_s = (r.draft_s if r.tree_size or r.fallback else 0.0) + r.verify_s
+        transfer_s = max(0.0, calls_s - draft_s - verify_s)
+        queue_s = max(0.0, wall_s - calls_s)
+        stats = ChunkStats(r.accepted, r.tree_size, draft_s, verify_s, queue_s, transfer_s, r.fallback,
+                           r.gated)
+        phases = {"draft": draft_s, "verify": verify_s, "queue": queue_s, "transfer": transfer_s}
         self.orch.metrics.round(method, len(chunk.tokens), r.accepted, r.tree_size, phases, r.fallback,
                                 r.gated)
         return StreamChunk(chunk.tokens, text, stats, chunk.finish_reason)
@@ -131,11 +122,14 @@ class Orchestrator:
         self.config, self.detokenize = config, detokenize
         self.metrics = metrics or Metrics()
         self.drafters, self.verifiers = ReplicaPool(drafters), ReplicaPool(verifiers)
-        self.batchers = {r: Batcher(r, config.max_batch, self._on_batch, config.max_batch_tokens,
-                                    config.max_batch_prefill_tokens)
-                         for r in (*drafters, *verifiers)}
+        self.drafter = PooledDrafter(self.drafters, self.metrics)
+        self.verifier = PooledVerifier(self.verifiers, self.metrics)
+        self.engine = StepEngine(self.verifier, self.drafter, config.scheduler)
         self.requests: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._loop = threading.Thread(target=self._run, daemon=True, name="presto-step-loop")
+        self._loop.start()
 
     @classmethod
     def start(
@@ -165,16 +159,8 @@ class Orchestrator:
             stream = RequestStream(self, job, sink)
             self.requests[job.key] = stream
             self.metrics.active(len(self.requests))
-        stream.thread.start()
+        self._inbox.put(("add", stream))
         return stream
-
-    def _finished(self, stream: RequestStream, finish: str) -> None:
-        with self._lock:
-            self.requests.pop(stream.job.key, None)
-            self.metrics.active(len(self.requests))
-        self.metrics.finished(stream.job.params.method, finish)
-        if finish.startswith("error:"):
-            self.metrics.error("request", finish.removeprefix("error:"))
 
     def stream(self, job: GenerateJob) -> Iterator[StreamChunk]:
         """The request's chunks; closing the iterator early cancels the request."""
@@ -208,13 +194,88 @@ class Orchestrator:
         finally:
             req.cancel()
 
-    # -- operations ---------------------------------------------------------------------
-    def _on_batch(self, replica: Replica, size: int, tokens: int, busy_s: float, prompts: int) -> None:
-        if replica.kind == "verifier":
-            self.metrics.batch(replica.name, size, tokens, busy_s, prompts)
-        else:
-            self.metrics.draft_batch(replica.name, size)
+    # -- the step loop --------------------------------------------------------------------
+    def _run(self) -> None:
+        """Take what the inbox holds, step, hand each request its chunks; wait when idle."""
+        streams: dict[str, RequestStream] = {}  # by session id: the engine's sequence ids
+        while True:
+            item = self._next_item()
+            while item is not None:
+                if item == "stop":
+                    for stream in list(streams.values()):
+                        self._cancel(stream, streams)
+                    return
+                kind, stream = item
+                (self._add if kind == "add" else self._cancel)(stream, streams)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            try:
+                touched = self.engine.step()
+            except BaseException as e:  # noqa: BLE001 - a bug: fail every request, keep serving
+                touched = []
+                for stream in list(streams.values()):
+                    self._end(stream, streams, _error_finish(e), e)
+            for seq in touched:
+                stream = streams.get(seq.seq_id)
+                if stream is not None:
+                    self._forward(stream, streams)
 
+    def _next_item(self) -> tuple | str | None:
+        """The inbox's next item: waited for while nothing runs, and while every sequence
+        waits out an engine's retry pause until the first is due; else only if there."""
+        if not self.engine.has_unfinished():
+            return self._inbox.get()
+        wait = self.engine.idle_s()
+        try:
+            return self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _add(self, stream: RequestStream, streams: dict[str, RequestStream]) -> None:
+        job = stream.job
+        try:
+            stream.seq = self.engine.add(job.prompt_ids, job.params, self.detokenize, job.session_id,
+                                         job.resume)
+        except Exception as e:  # noqa: BLE001 - a request the engine refuses: its error, to its consumer
+            self._end(stream, streams, _error_finish(e), e)
+            return
+        streams[job.session_id] = stream
+        self._forward(stream, streams)  # a resumed request that had it all ends at once
+
+    def _forward(self, stream: RequestStream, streams: dict[str, RequestStream]) -> None:
+        seq = stream.seq
+        for chunk in seq.take_chunks():
+            stream.deliver(chunk)
+        if seq.error is not None:
+            self._end(stream, streams, _error_finish(seq.error), seq.error)
+        elif seq.finished:
+            self._end(stream, streams, seq.finish_reason or "cancelled")
+
+    def _cancel(self, stream: RequestStream, streams: dict[str, RequestStream]) -> None:
+        if streams.get(stream.job.session_id) is stream:
+            self.engine.cancel(stream.job.session_id)
+            self._end(stream, streams, "cancelled")
+
+    def _end(self, stream: RequestStream, streams: dict[str, RequestStream], finish: str,
+             error: BaseException | None = None) -> None:
+        """The request is over: counted, forgotten, then its consumer hears of the end."""
+        streams.pop(stream.job.session_id, None)
+        self.drafter.take_times(stream.job.session_id)  # what was not delivered: forgotten
+        self.verifier.take_times(stream.job.session_id)
+        with self._lock:
+            if self.requests.get(stream.job.key) is stream:
+                del self.requests[stream.job.key]
+            self.metrics.active(len(self.requests))
+        self.metrics.finished(stream.job.params.method, finish)
+        if finish.startswith("error:"):
+            self.metrics.error("request", finish.removeprefix("error:"))
+        if error is not None:
+            stream.sink(error)
+        stream.sink(_END)
+
+    # -- operations ---------------------------------------------------------------------
     def engine_stats(self) -> dict[str, EngineStats]:
         """Per live replica (``"drafter/<name>"``, ``"verifier/<name>"``): busy seconds, calls,
         sessions. A replica whose actor is gone is left out (and marked dead), not an error."""
@@ -234,11 +295,16 @@ class Orchestrator:
         return []
 
     def shutdown(self, kill_actors: bool = True) -> None:
-        for stream in list(self.requests.values()):
-            stream.cancel()
-        for b in self.batchers.values():
-            b.stop()
+        self._inbox.put("stop")  # every running request is cancelled, its sessions closed
+        self._loop.join(timeout=30)
+        self.drafter.shutdown()
+        self.verifier.shutdown()
         self.metrics.flush()
         if kill_actors:
             for r in [*self.drafters.replicas, *self.verifiers.replicas]:
                 r.engine.kill()
+
+
+def _error_finish(e: BaseException) -> str:
+    """How a request that failed is counted: its engine error's code."""
+    return f"error:{e.code}" if isinstance(e, EngineError) else "error:INTERNAL"

@@ -1,30 +1,35 @@
-"""Session affinity: each request's engines, routed to the replicas holding its sessions (docs/design.md §3).
+"""The replica pools as one engine each: session affinity, calls split per replica (docs/design.md §3).
 
-- Each request holds its drafter and verifier sessions on one replica each (its
-  ``Route``). ``RoutedDrafter`` / ``RoutedVerifier`` implement the engine interfaces for
-  that request, so ``stream_generate`` and the fault links of ``faults.py`` run unchanged
-  on top: the feature delta the verifier returns goes, through ``DrafterLink``, to the
-  drafter replica that holds the session. When a replica fails, the next call re-homes
-  the session on the healthiest other replica, where it is unknown (NOT_FOUND), and the
-  links rebuild it: the drafter from the logged feature deltas, the verifier from the
-  committed tokens with the pending anchor.
-- Draft and verify calls go through the replica's ``Batcher`` (``batching.py``); replicas
-  and their health are ``replicas.py``'s.
+The step engine sees one ``Verifier`` and one ``Drafter``; behind them are pools of
+replicas (actors of in-process engines, or clients of remote ones). Each session lives on
+one replica of each pool (its home: the healthy replica holding the fewest sessions when
+it first goes out). A batched call (``verify_batch``, ``draft_batch``) goes out as one
+call per home replica, all at once, and the answers come back in the call's order; a
+replica that does not answer fails only its own items (UNAVAILABLE). When a replica
+fails, the next call re-homes its sessions on the healthiest other replica, where they
+are unknown (NOT_FOUND), and the step engine rebuilds them as after any loss: the drafter
+from the logged feature deltas, the verifier from the committed tokens with the pending
+anchor (``presto_sd.loop.faults``).
+
+Each pool also keeps, per session, the engine seconds its calls took since the last
+chunk (``take_times``): the phases of a round in the metrics.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from orchestrator.batching import Batcher
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
-from presto_sd.engine.messages import EngineError, FeatureDelta
+from presto_sd.engine.messages import EngineError, FeatureDelta, UnavailableError
 from presto_sd.engine.verifier import (
+    BatchAnswer,
+    BatchCall,
     PrefillCall,
     PrefillResult,
     Verifier,
@@ -33,187 +38,211 @@ from presto_sd.engine.verifier import (
     VerifyResult,
 )
 from presto_sd.method.acceptance import SamplingParams
-from presto_sd.method.batch_cost import SharedForward
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import RoundContext, TreeParams
+from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree
 
 
-@dataclass
-class Route:
-    """Where one request's sessions live, and its engine time since the last chunk."""
-
-    session_id: str  # the request's session id on the engines
-    drafter: Replica | None = None
-    verifier: Replica | None = None
-    held: set[Replica] = field(default_factory=set)  # every replica that may hold one of its sessions
-    drafter_s: float = 0.0  # drafter engine seconds (draft + commit)
-    verifier_s: float = 0.0  # verifier engine seconds (the whole batch this request was in)
-    queue_s: float = 0.0  # waiting for the verifier replica to be free
-
-    def take_times(self) -> tuple[float, float, float]:
-        times = (self.drafter_s, self.verifier_s, self.queue_s)
-        self.drafter_s = self.verifier_s = self.queue_s = 0.0
-        return times
-
-
-class _Routed:
-    """Session affinity for one request on one pool: stay, or move when the replica failed."""
+class _Pool:
+    """Homes of sessions on one pool's replicas, and batched calls split by home."""
 
     kind = ""
 
-    def __init__(self, pool: ReplicaPool, route: Route, metrics: Metrics,
-                 batchers: dict[Replica, Batcher]) -> None:
-        self.pool, self.route, self.metrics, self.batchers = pool, route, metrics, batchers
+    def __init__(self, pool: ReplicaPool, metrics: Metrics) -> None:
+        self.pool, self.metrics = pool, metrics
+        self.homes: dict[str, Replica] = {}
+        self.held: dict[str, set[Replica]] = defaultdict(set)  # every replica that may hold it
+        self.engine_s: dict[str, float] = defaultdict(float)  # per session, since take_times
+        self._fan_out = ThreadPoolExecutor(max_workers=max(1, len(pool.replicas)),
+                                           thread_name_prefix=f"{self.kind}-calls")
 
-    def _home(self) -> Replica:
+    def home(self, session_id: str) -> Replica:
+        """The session's replica: where it lives while that one is healthy, else a new home."""
         with self.pool.lock:
-            current: Replica | None = getattr(self.route, self.kind)
+            current = self.homes.get(session_id)
             if current is not None and current.healthy:
                 return current
             new = self.pool.pick()
             if new is not current:
                 if current is not None:
-                    current.sessions.discard(self.route.session_id)
+                    current.sessions.discard(session_id)
                     self.metrics.fallback(f"{self.kind}_rehome")
-                new.sessions.add(self.route.session_id)
-                setattr(self.route, self.kind, new)
-                self.route.held.add(new)
+                new.sessions.add(session_id)
+                self.homes[session_id] = new
+                self.held[session_id].add(new)
                 self._gauge()
             return new
 
+    def take_times(self, session_id: str) -> float:
+        """Engine seconds of the session's calls since the last take (kept past ``close``:
+        a request's last chunk is delivered after its step closed its sessions)."""
+        return self.engine_s.pop(session_id, 0.0)
+
     def round_trip_s(self) -> float:
-        """The home replica's link (``Replica.round_trip_s``)."""
-        return self._home().round_trip_s()
+        """The slowest healthy replica's link (``Replica.round_trip_s``): what a round pays."""
+        links = [r.round_trip_s() for r in self.pool.replicas if r.healthy]
+        return max(links, default=0.0)
 
     def close(self, session_id: str) -> None:
-        """Close the session wherever it may live (the old homes too); best effort."""
-        mine = [r for r in self.route.held if r.kind == self.kind]
-        for replica in mine:
+        """Close the session wherever it may live (old homes too); best effort."""
+        held = self.held.pop(session_id, set())
+        for replica in held:
             try:
                 replica.call("close", session_id)
             except EngineError:
                 pass
         with self.pool.lock:
-            for replica in mine:
-                replica.sessions.discard(self.route.session_id)
+            for replica in held:
+                replica.sessions.discard(session_id)
+            self.homes.pop(session_id, None)
             self._gauge()
+
+    def batched(self, method: str, calls: Sequence, on_call: Callable[[Replica, list, float], None]) -> list:
+        """``method`` over ``calls``, one call per home replica at once; each item's answer
+        (a replica that fails answers every item of its call with its error)."""
+        groups: dict[Replica, list[int]] = defaultdict(list)
+        for i, c in enumerate(calls):
+            groups[self.home(c.session_id)].append(i)
+        out: list = [None] * len(calls)
+
+        def send(replica: Replica, items: list[int]) -> None:
+            sent = [calls[i] for i in items]
+            try:
+                outcome = replica.call(method, sent)
+            except EngineError as e:  # the replica away: each item sees it
+                for i in items:
+                    out[i] = _copy(e)
+                return
+            away = next((a for a in outcome.value if isinstance(a, UnavailableError)), None)
+            if away is not None:  # a remote engine that did not answer: its sessions re-home
+                replica.failed(away.code)
+            for i, answer in zip(items, outcome.value):
+                out[i] = answer
+                if isinstance(answer, EngineError) and answer is not away:
+                    self.metrics.error(self.kind, answer.code)
+            for i in items:  # a batch's engine time is each of its sessions' round's
+                self.engine_s[calls[i].session_id] += outcome.busy_s
+            on_call(replica, sent, outcome.busy_s)
+
+        if len(groups) == 1:
+            send(*next(iter(groups.items())))
+        else:
+            for f in [self._fan_out.submit(send, r, items) for r, items in groups.items()]:
+                f.result()
+        return out
+
+    def single(self, session_id: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        replica = self.home(session_id)
+        outcome = replica.call(method, *args, timeout_s=timeout_s)
+        self.engine_s[session_id] += outcome.busy_s
+        return outcome.value
 
     def _gauge(self) -> None:
         for r in self.pool.replicas:
             self.metrics.sessions(self.kind, r.name, len(r.sessions))
 
-
-class RoutedDrafter(_Routed, Drafter):
-    kind = "drafter"
-
-    def _call(self, method: str, *args: Any) -> Any:
-        replica = self._home()
-        timeout_s = replica.timeouts.prefill_s if method == "prefill" else None
-        with self._away():
-            out = replica.call(method, *args, timeout_s=timeout_s)
-        self.route.drafter_s += out.busy_s
-        return out.value
-
-    @contextlib.contextmanager
-    def _away(self) -> Iterator[None]:
-        """While this request is at its drafter, its verifier's batches do not wait for it."""
-        batcher = self.batchers.get(self.route.verifier) if self.route.verifier is not None else None
-        if batcher is None:
-            yield
-            return
-        batcher.away(self.route.session_id, True)
-        try:
-            yield
-        finally:
-            batcher.away(self.route.session_id, False)
-
-    def info(self) -> DrafterInfo:
-        return self._call("info")
-
-    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
-        return self._call("prefill", session_id, delta, restart)
-
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        return self._draft(DraftCall(session_id, anchor, base, params))
-
-    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
-                         params: TreeParams) -> DraftResult:
-        return self._draft(DraftCall(session_id, anchor, base, params, commit=delta))
-
-    def _draft(self, call: DraftCall) -> DraftResult:
-        with self._away():
-            res, busy_s, _ = self.batchers[self._home()].submit(call).result()
-        self.route.drafter_s += busy_s
-        if isinstance(res, BaseException):
-            raise res
-        return res
-
-    def commit(self, session_id: str, delta: FeatureDelta) -> int:
-        return self._call("commit", session_id, delta)
+    def shutdown(self) -> None:
+        self._fan_out.shutdown(wait=False)
 
 
-class RoutedVerifier(_Routed, Verifier):
+class PooledVerifier(_Pool, Verifier):
     kind = "verifier"
 
-    def __init__(self, pool: ReplicaPool, route: Route, metrics: Metrics,
-                 batchers: dict[Replica, Batcher]) -> None:
-        super().__init__(pool, route, metrics, batchers)
-        self._prefills = 0
+    def __init__(self, pool: ReplicaPool, metrics: Metrics) -> None:
+        super().__init__(pool, metrics)
+        self._prefilled: set[str] = set()
+        self._lock = threading.Lock()
 
     def info(self) -> VerifierInfo:
-        return self._home().call("info").value
+        return self.pool.pick().call("info").value
+
+    def cost_model(self) -> CostFit | None:
+        return self.info().cost
+
+    def calibrate_cost(self) -> CostFit | None:
+        """TAPS's cost model: a replica's own (an in-process verifier measures its forwards)."""
+        replica = self.pool.pick()
+        return replica.call("calibrate_cost", timeout_s=replica.timeouts.prefill_s).value
 
     def max_context(self) -> int:
-        """The home replica's window, asked once per replica (it is fixed when it loads)."""
-        replica = self._home()
-        if replica.max_context is None:
-            replica.max_context = replica.call("max_context").value
-        return replica.max_context
+        """The smallest window of the healthy replicas, asked once per replica (it is fixed
+        when it loads)."""
+        windows = []
+        for replica in [r for r in self.pool.replicas if r.healthy] or [self.pool.pick()]:
+            if replica.max_context is None:
+                replica.max_context = replica.call("max_context").value
+            windows.append(replica.max_context)
+        return min(windows)
 
     def prefill(self, session_id: str, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
                 anchor: int | None = None, restart: bool = False) -> PrefillResult:
-        replica = self._home()
-        if self._prefills:
-            self.metrics.fallback("verifier_reprefill")
-        self._prefills += 1
-        if self.batchers[replica].takes_prompt(len(token_ids)):  # rides in a batch with others' steps
-            call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
-            return self._batched(replica, call)
-        out = replica.call("prefill", session_id, token_ids, sampling, anchor, restart,
+        """A long prompt, alone (its engine prefills it in chunks)."""
+        self._count_prefill(session_id)
+        replica = self.home(session_id)
+        out = self.single(session_id, "prefill", session_id, token_ids, sampling, anchor, restart,
+                          timeout_s=replica.timeouts.prefill_s)
+        self.metrics.batch(replica.name, 1, len(token_ids), 0.0, 1)
+        return out
+
+    def verify(self, session_id: str, base: int, tree: TokenTree,
+               want_node_probs: bool = False) -> VerifyResult:
+        answer = self.verify_batch([VerifyCall(session_id, base, tree, want_node_probs)])[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
+        for c in calls:
+            if isinstance(c, PrefillCall):
+                self._count_prefill(c.session_id)
+        return self.batched("verify_batch", calls, self._on_batch)
+
+    def _on_batch(self, replica: Replica, calls: list, busy_s: float) -> None:
+        prompts = sum(1 for c in calls if isinstance(c, PrefillCall))
+        tokens = sum(len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens) for c in calls)
+        self.metrics.batch(replica.name, len(calls), tokens, busy_s, prompts)
+
+    def _count_prefill(self, session_id: str) -> None:
+        with self._lock:
+            if session_id in self._prefilled:
+                self.metrics.fallback("verifier_reprefill")
+            self._prefilled.add(session_id)
+
+    def close(self, session_id: str) -> None:
+        super().close(session_id)
+        with self._lock:
+            self._prefilled.discard(session_id)
+
+
+class PooledDrafter(_Pool, Drafter):
+    kind = "drafter"
+
+    def info(self) -> DrafterInfo:
+        return self.pool.pick().call("info").value
+
+    def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
+        replica = self.home(session_id)
+        return self.single(session_id, "prefill", session_id, delta, restart,
                            timeout_s=replica.timeouts.prefill_s)
-        self.route.verifier_s += out.busy_s
-        return out.value
 
-    def verify(
-        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
-    ) -> VerifyResult:
-        return self._batched(self._home(), VerifyCall(session_id, base, tree, want_node_probs))
+    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+              context: RoundContext = RoundContext()) -> DraftResult:
+        answer = self.draft_batch([DraftCall(session_id, anchor, base, params, context=context)])[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
-    def _batched(self, replica: Replica, call: VerifyCall | PrefillCall) -> Any:
-        """``call``'s answer from the replica's next batch (its error raised)."""
-        res, busy_s, queue_s = self.batchers[replica].submit(call).result()
-        self.route.verifier_s += busy_s
-        self.route.queue_s += queue_s
-        if isinstance(res, BaseException):
-            raise res
-        return res
+    def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
+        return self.batched("draft_batch", calls,
+                            lambda replica, sent, busy_s: self.metrics.draft_batch(replica.name, len(sent)))
 
-    def shared_forward(self, rows: int) -> SharedForward | None:
-        """The replica's last batch without this request's ``rows``: the load its tree joins.
+    def commit(self, session_id: str, delta: FeatureDelta) -> int:
+        return self.single(session_id, "commit", session_id, delta)
 
-        The other rows' tokens per step are counted as one per other request (an AR step
-        commits one; a tree's round commits its tau, so this errs toward smaller trees).
-        """
-        batcher = self.batchers[self._home()]
-        others = batcher.last_calls - 1
-        load = batcher.last_tokens - rows
-        if others < 1 or load < 1:
-            return None
-        if batcher.cost_curve.prior is None:
-            batcher.cost_curve.prior = self.cost_model()  # shapes the sizes not seen yet
-        fit = batcher.cost_curve.shared_fit(load)
-        return None if fit is None else SharedForward(fit, float(others))
 
-    def calibrate_cost(self):
-        """TAPS's cost model: the replica's own (an in-process verifier measures its forwards)."""
-        return self._home().call("calibrate_cost", timeout_s=self.pool.replicas[0].timeouts.prefill_s).value
+def _copy(e: EngineError) -> EngineError:
+    """One exception object per item (a shared one would mix their tracebacks)."""
+    try:
+        return type(e)(*e.args)
+    except TypeError:
+        return e

@@ -8,7 +8,9 @@ For each level C, C GSM8K prompts (chat template, greedy) are sent at once, ever
 in turn, through each mode:
 - ``up``: a real `presto-sd up` (verifier and drafter servers + the orchestrator on Ray,
   as an operator runs it), driven through the gRPC client (``orchestrator.client``);
-- ``embedded``: the orchestrator in this process over in-process engines in Ray actors.
+- ``embedded``: the orchestrator in this process over in-process engines in Ray actors;
+- ``engine``: the step engine in this process over both engines in this process too (the
+  orchestrator's step loop on direct replicas): no Ray, no gRPC, no actor hop.
 The peer is transformers' own ``generate`` on the same target, the same C prompts
 left-padded into one batch, greedy, in each ``--peer-dtypes``. Per row: useful tokens/s
 (new tokens up to each stream's end / wall), time to first token p50/p99, per-token
@@ -39,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--levels", default="1,4,16,64", help="concurrent streams, comma-separated")
     p.add_argument("--methods", default="ar,taps", help="comma-separated methods")
-    p.add_argument("--modes", default="up", help="up,embedded")
+    p.add_argument("--modes", default="up", help="up,embedded,engine")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=16, help="tree budget (taps: the most it may choose)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per engine (and the peer)")
@@ -185,6 +187,32 @@ class EmbeddedStack:
         ray.shutdown()
 
 
+class EngineStack(EmbeddedStack):
+    """The step engine in this process over both engines in this process: no Ray."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import dataclasses
+
+        import torch
+
+        from orchestrator.actors import local_spec
+        from orchestrator.metrics import Metrics
+        from orchestrator.orchestrator import Orchestrator
+
+        torch.set_num_threads(args.threads)  # one process: both engines share its pool
+        specs = [dataclasses.replace(local_spec(kind, 0, None, None), direct=True)
+                 for kind in ("drafter", "verifier")]
+        self.orch = Orchestrator.start(specs[:1], specs[1:], metrics=Metrics(export=False))
+        self.eos = self.orch.verifiers.replicas[0].call("info").value.eos_token_ids
+        self.dinfo = self.orch.drafters.replicas[0].call("info").value
+
+    def close(self) -> None:
+        self.orch.shutdown()
+
+
+STACKS = {"up": UpStack, "embedded": EmbeddedStack, "engine": EngineStack}
+
+
 def peer_rows(prompts: list, levels: list[int], dtypes: list[str], args: argparse.Namespace) -> list[dict]:
     """transformers' batched generate: C prompts left-padded into one batch, greedy."""
     import torch
@@ -236,7 +264,7 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     bar = tqdm(total=len(modes) * len(methods) * len(levels), desc="levels", unit="level")
     for mode in modes:
-        stack = UpStack(args) if mode == "up" else EmbeddedStack(args)
+        stack = STACKS[mode](args)
         try:
             for method in methods:
                 gen = stack.generate(method, args)
@@ -259,7 +287,7 @@ def main() -> None:
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    ar = {r["streams"]: r["outputs"] for r in rows if r["method"] == "ar" and r["mode"] in ("up", "embedded")}
+    ar = {r["streams"]: r["outputs"] for r in rows if r["method"] == "ar" and r["mode"] in STACKS}
     for r in rows:
         ref = ar.get(r["streams"])
         r["equal_to_ar"] = None if ref is None else r.pop("outputs") == ref

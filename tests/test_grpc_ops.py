@@ -117,8 +117,9 @@ def test_idle_sessions_expire(tiny_target):
 
 # -- deadlines --------------------------------------------------------------------------
 class GatedDrafter:
-    """Proxy: while ``gate`` is shut, ``draft`` waits for it on the engine thread (a slow
-    drafter whose slowness the test controls); it counts drafts in flight and commits run."""
+    """Proxy: while ``gate`` is shut, a draft (alone or batched) waits for it on the engine
+    thread (a slow drafter whose slowness the test controls); it counts drafts in flight and
+    commits run."""
 
     def __init__(self, inner) -> None:
         self.inner, self.gate = inner, threading.Event()
@@ -126,15 +127,24 @@ class GatedDrafter:
         self.in_flight, self.commits = 0, 0
         self._lock = threading.Lock()
 
-    def draft(self, *args):
+    def _gated(self, method: str, *args):
         with self._lock:
             self.in_flight += 1
         try:
             self.gate.wait(timeout=60)
-            return self.inner.draft(*args)
+            return getattr(self.inner, method)(*args)
         finally:
             with self._lock:
                 self.in_flight -= 1
+
+    def draft(self, *args):
+        return self._gated("draft", *args)
+
+    def commit_and_draft(self, *args):
+        return self._gated("commit_and_draft", *args)
+
+    def draft_batch(self, *args):
+        return self._gated("draft_batch", *args)
 
     def commit(self, *args):
         self.commits += 1

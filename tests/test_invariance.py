@@ -140,18 +140,19 @@ def test_key_width_is_whole_blocks():
 
 
 def test_the_probe_covers_every_call_size_a_forward_may_hold():
-    """The kernels are probed up to the most rows a verifier forward may hold: the
-    orchestrator's batches and a chunked prefill stay inside it, and a VerifyBatch past it
-    is refused call by call (``test_verify_batch``)."""
+    """The kernels are probed up to the most rows a verifier forward may hold: a step's
+    batch and a chunked prefill stay inside it (a scheduler bound past it is refused), and
+    a VerifyBatch past it is refused call by call (``test_verify_batch``)."""
     import inspect
 
-    from orchestrator.batching import Batcher
     from presto_sd.embedded.hf_verifier import HFVerifier
+    from presto_sd.loop.scheduler import SchedulerConfig
     from presto_sd.models.invariant import MAX_INVARIANT_ROWS
 
     assert min(PROBE_ROWS) == 2 and max(PROBE_ROWS) == MAX_INVARIANT_ROWS  # 1: the padded lone row
-    batcher = inspect.signature(Batcher).parameters
-    assert batcher["max_batch_tokens"].default <= MAX_INVARIANT_ROWS
+    assert SchedulerConfig().max_step_tokens <= MAX_INVARIANT_ROWS
+    with pytest.raises(ValueError, match="probed row-invariant"):
+        SchedulerConfig(max_step_tokens=MAX_INVARIANT_ROWS + 1)
     assert inspect.signature(HFVerifier).parameters["prefill_chunk"].default <= MAX_INVARIANT_ROWS
 
 

@@ -89,7 +89,7 @@ class OracleDrafter(Drafter):
     def close(self, session_id):
         self.tokens.pop(session_id)
 
-    def draft(self, session_id, anchor, base, params):
+    def draft(self, session_id, anchor, base, params, context=None):
         ctx = self.tokens[session_id] + [anchor]
         truth = hf_greedy(self.target, ctx, params.depth)
         keep = int(torch.randint(1, params.depth + 1, (1,), generator=self.g))

@@ -129,7 +129,7 @@ def test_concurrent_requests_equal_ar(tiny_target, stack):
         rounds = [c.stats for c in chunks[1:]]
         sizes = [r.tree_size for r in rounds]
         assert (max(sizes) == 0) if method == "ar" else (max(sizes) > 0), (method, sizes)
-        assert all(r.verify_s > 0 and r.transfer_s >= 0 for r in rounds)
+        assert all(r.verify_s > 0 and r.transfer_s >= 0 for r in rounds), rounds
     tallies = orch.metrics.tallies
     batches = tallies["verify_batches"] - before.get("verify_batches", 0)
     calls = tallies["verify_batched_calls"] - before.get("verify_batched_calls", 0)

@@ -175,3 +175,23 @@ def test_a_lone_prompt_that_cannot_fit_is_refused(tiny_target):
 def test_scheduler_config_is_checked(bad):
     with pytest.raises(ValueError):
         SchedulerConfig(**bad)
+
+
+def test_the_step_engine_reports_the_load_a_tree_joins(tiny_target):
+    """TAPS under load prices a tree against the forward it shares: the engine's last step,
+    less the asking sequence's rows; alone there is none."""
+    verifier, drafter = make_engines(tiny_target)
+    engine = StepEngine(verifier, drafter)
+    seqs = [engine.add(p, _params("ar", 8)) for p in PROMPTS[:3]]
+    engine.step()  # three prompts in one forward
+    assert engine.last_calls == 3 and engine.last_rows == sum(len(p) for p in PROMPTS[:3])
+    engine.step()  # three AR steps
+    shared = engine.shared_forward(rows=1)
+    assert shared is not None and shared.others_tokens == 2.0
+    _run(engine, seqs)
+    lone = StepEngine(verifier, drafter)
+    one = lone.add(PROMPTS[0], _params("ar", 4))
+    lone.step()
+    lone.step()
+    assert lone.shared_forward(rows=1) is None
+    _run(lone, [one])

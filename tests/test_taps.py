@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from presto_sd.method.acceptance_calibration import AcceptanceCalibration
-from presto_sd.method.builders import AcceptanceScorer, TreeParams, _best_first, build_taps_tree, build_tree
+from presto_sd.method.builders import (
+    AcceptanceScorer,
+    RoundContext,
+    TreeParams,
+    _best_first,
+    build_taps_tree,
+    build_tree,
+)
 from presto_sd.method.cost_model import CostFit, OnlineCostModel, fit_cost
 from presto_sd.method.scores import ConstantRho, NGramRho
 from presto_sd.method.taps import choose_budget
@@ -198,11 +205,11 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
     seed, cap, depth, k, coeffs, context, node_penalty_s, calibration, rho
 ):
     m = random_marginals(depth, k, seed=seed)
-    params = TreeParams(method="taps", budget=cap, depth=depth, cost=CostFit(*coeffs), draft_s=0.01,
-                        node_penalty_s=node_penalty_s, calibration=calibration)
+    params = TreeParams(method="taps", budget=cap, depth=depth, node_penalty_s=node_penalty_s)
+    measured = RoundContext(cost=CostFit(*coeffs), draft_s=0.01, calibration=calibration)
     provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(), "marginal": None}[rho]
     ctx = ctx_for(m, context)
-    built = build_taps_tree(context[-1], ctx, provider, params)
+    built = build_taps_tree(context[-1], ctx, provider, params, measured)
     assert_well_formed(built.tree, cap, depth)
     scorer = AcceptanceScorer(ctx_for(m, context), provider, calibration=calibration)
     full = _best_first(context[-1], min(depth, m.depth), cap, scorer)
@@ -210,7 +217,7 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
     assert built.tree.tokens == full.tree.tokens[:keep] and built.tree.parents == full.tree.parents[:keep]
     # the early stop is exact: B* over the whole pop order is the budget kept
     reaches = [math.exp(x) for x in full.path_scores[1:]]
-    want = choose_budget(reaches, params.cost, len(context) - 1, params.draft_s, node_penalty_s)
+    want = choose_budget(reaches, measured.cost, len(context) - 1, measured.draft_s, node_penalty_s)
     assert keep - 1 == want.budget
     # reach never grows along a path: path scores are log-reaches, so each child <= parent
     for node in range(1, keep):
@@ -219,8 +226,9 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
 
 def test_taps_with_marginal_acceptance_ranks_like_ddtree():
     m = random_marginals(6, 4, seed=3)
-    params = TreeParams(method="taps", budget=20, depth=6, cost=FLAT)
-    taps = build_tree(4, ctx_for(m), params, rho=None)  # a(u) = q: the DDTree order
+    params = TreeParams(method="taps", budget=20, depth=6)
+    # a(u) = q: the DDTree order
+    taps = build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=FLAT))
     ddtree = build_tree(4, ctx_for(m), TreeParams(method="marginal", budget=20, depth=6))
     assert taps.tree == ddtree.tree
     assert taps.path_scores == pytest.approx(ddtree.path_scores)
@@ -234,9 +242,10 @@ def test_taps_without_a_cost_model_is_refused():
 
 def test_depth_penalty_favours_shallow_trees():
     m = random_marginals(8, 4, seed=1)
-    base = TreeParams(method="taps", budget=24, depth=8, cost=FLAT)
-    plain = build_taps_tree(4, ctx_for(m), None, base).tree
-    shallow = build_taps_tree(4, ctx_for(m), None, replace(base, depth_penalty=2.0)).tree
+    base = TreeParams(method="taps", budget=24, depth=8)
+    plain = build_taps_tree(4, ctx_for(m), None, base, RoundContext(cost=FLAT)).tree
+    shallow = build_taps_tree(4, ctx_for(m), None, replace(base, depth_penalty=2.0),
+                              RoundContext(cost=FLAT)).tree
     assert len(shallow.tokens) == len(plain.tokens)  # a flat cost: both take the cap
     assert sum(shallow.depths) < sum(plain.depths)
 
@@ -254,26 +263,22 @@ def peaked_marginals(depth: int, k: int, top: float = 0.85):
 
 def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain():
     m = peaked_marginals(8, 4)
-    flat = build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=FLAT), rho=None)
+    params = TreeParams(method="taps", budget=24, depth=8)
+    flat = build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=FLAT))
     assert flat.tree.size == 24
     steep_cost = CostFit(0.03, 0.01, 0.0, 0.0)  # a node costs a third of a step
-    steep = build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=steep_cost,
-                                                 draft_s=0.01), rho=None)
+    steep = build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=steep_cost, draft_s=0.01))
     assert 1 <= steep.tree.size < 24
     assert steep.tree.parents == tuple(range(-1, steep.tree.size))  # a chain: DFlash's shape
-    assert build_tree(4, ctx_for(m), TreeParams(method="taps", budget=24, depth=8, cost=STEEP),
-                      rho=None).tree.size == 0
+    assert build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=STEEP)).tree.size == 0
 
 
 class _CalibratedVerifier:
-    shared = None  # SharedForward: the load a batching front would report
+    shared = None  # SharedForward: the load a step engine would report (``load=``)
     link_s = 0.0  # its client's measured round trip
 
     def cost_model(self):
         return CPU_LIKE
-
-    def shared_forward(self, rows):
-        return self.shared
 
     def round_trip_s(self):
         return self.link_s
@@ -297,7 +302,7 @@ def test_taps_feedback_prices_the_links_once():
     verifier = _CalibratedVerifier()
     verifier.link_s = 0.005
     fb = TapsFeedback(verifier, _LinkedDrafter(0.003))
-    assert fb.tree_params(TreeParams(method="taps")).round_trip_s == pytest.approx(0.008)
+    assert fb.round_context().round_trip_s == pytest.approx(0.008)
     chain = TokenTree.from_lists([1, 2, 3], [-1, 0, 1])
     fb.observe(chain, (), base=100, accepted=(2,), draft_s=0.007, verify_s=0.065, commit_s=0.001)
     assert fb.verify.obs[-1] == (3, 100, pytest.approx(0.060))
@@ -306,7 +311,7 @@ def test_taps_feedback_prices_the_links_once():
     ar_step = float(fb.verify.fit.seconds(1, 100)) + 0.005 + 0.001
     assert fb.saving.value == pytest.approx(0.1 * (2 * ar_step - 0.073))
     alone = TapsFeedback(_CalibratedVerifier())  # in process: no link, nothing changes
-    assert alone.tree_params(TreeParams(method="taps")).round_trip_s == 0.0
+    assert alone.round_context().round_trip_s == 0.0
 
 
 def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate():
@@ -320,8 +325,8 @@ def test_taps_feedback_under_load_prices_the_shared_forward_and_closes_the_gate(
     loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=64.0)
     tree = TokenTree.from_lists([1] * 9, [-1, 0, 1, 2, 3, 4, 5, 6, 7])
     for verifier, shuts in ((loaded, True), (_CalibratedVerifier(), False)):
-        fb = TapsFeedback(verifier)
-        params = fb.tree_params(TreeParams(method="taps"))
+        fb = TapsFeedback(verifier, load=lambda rows, v=verifier: v.shared)
+        params = fb.round_context()
         assert params.shared_tokens == (64.0 if shuts else 0.0)
         assert params.cost == (loaded.shared.cost if shuts else CPU_LIKE)
         fb.observe(tree, (), 100, (1, 1), 0.01, float(CPU_LIKE.seconds(9, 100)), 0.001)
@@ -343,7 +348,7 @@ def test_under_load_the_gate_probes_less_often():
     backoffs = [16, 32, 32, 32, 32, 32, 32]
     skips = []
     for seed in ("request-a", "request-b"):
-        fb = TapsFeedback(loaded, seed=seed)
+        fb = TapsFeedback(loaded, seed=seed, load=lambda rows: loaded.shared)
         fb._joined = True  # (its first probe's wait: the next test)
         skips.append([skipped_after(fb, root, (0.0,), (), 0.034) for _ in range(7)])
         assert all(b <= s < 2 * b for s, b in zip(skips[-1], backoffs)), skips[-1]
@@ -362,7 +367,7 @@ def test_a_stream_joining_a_loaded_forward_spreads_its_first_probe():
     loaded.shared = SharedForward(CostFit(0.3, 0.004, 0.0, 0.0), others_tokens=63.0)
     waits = []
     for seed in range(20):
-        fb = TapsFeedback(loaded, seed=seed)
+        fb = TapsFeedback(loaded, seed=seed, load=lambda rows: loaded.shared)
         waits.append(next(i for i in range(100) if fb.should_draft()))
     assert all(0 <= w < 64 for w in waits) and len(set(waits)) > 10
     assert TapsFeedback(_CalibratedVerifier()).should_draft()
@@ -373,14 +378,14 @@ def test_taps_feedback_hands_the_loop_what_it_learned():
     from presto_sd.method.tree import TokenTree
 
     fb = TapsFeedback(_CalibratedVerifier())
-    first = fb.tree_params(TreeParams(method="taps"))
+    first = fb.round_context()
     assert first.cost == CPU_LIKE and first.draft_s == 0.0 and first.calibration.is_identity
     # a chain whose raw estimate is a = 0.9 at every node; the target takes the first only
     chain = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
     raw = (0.0, *[math.log(0.9)] * 3)
     for _ in range(60):
         fb.observe(chain, raw, base=100, accepted=(2,), draft_s=0.004, verify_s=0.06, commit_s=0.001)
-    cal = fb.tree_params(TreeParams(method="taps")).calibration
+    cal = fb.round_context().calibration
     a1, a2 = (math.exp(float(cal.apply_log(torch.tensor(math.log(0.9)), d))) for d in (1, 2))
     assert a1 > 0.8 and a2 < 0.7  # depth 1 kept near its 0.9, depth 2 marked down
     assert fb.draft.value == pytest.approx(0.005)  # drafting + committing
@@ -438,9 +443,9 @@ def test_siblings_never_promise_more_than_one_accepted_child():
 
 def test_taps_tree_carries_the_raw_estimates_the_calibration_is_fitted_on():
     m = random_marginals(5, 4, seed=4)
-    params = TreeParams(method="taps", budget=12, depth=5, cost=FLAT,
-                        calibration=AcceptanceCalibration(-0.5, 1.5, -0.2))
-    built = build_taps_tree(4, ctx_for(m), ConstantRho(0.1), params)
+    params = TreeParams(method="taps", budget=12, depth=5)
+    measured = RoundContext(cost=FLAT, calibration=AcceptanceCalibration(-0.5, 1.5, -0.2))
+    built = build_taps_tree(4, ctx_for(m), ConstantRho(0.1), params, measured)
     raw = built.node_log_acceptance
     assert len(raw) == len(built.tree.tokens) and raw[0] == 0.0
     assert raw[1:] == pytest.approx([math.log(0.1)] * (len(raw) - 1))  # before the map and scaling

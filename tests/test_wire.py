@@ -10,7 +10,7 @@ import torch
 from presto_pb.v1 import common_pb2 as pb
 from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError
 from presto_sd.method.acceptance import SamplingParams
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import RoundContext, TreeParams
 from presto_sd.method.tree import TokenTree
 from presto_sd.rpc import wire
 
@@ -106,10 +106,13 @@ def test_cost_model_round_trips_in_tree_params_and_verifier_info():
     from verifier_service import wire as vwire
 
     fit = CostFit(0.03, 0.0015, 2e-5, 0.002, tree_s=0.017, n_obs=48)
-    p = TreeParams(method="taps", budget=64, cost=fit, draft_s=0.004, node_penalty_s=0.001, depth_penalty=0.5,
-                   calibration=AcceptanceCalibration(-0.4, 1.3, -0.2))
-    assert wire.tree_params_from_pb(wire.tree_params_to_pb(p)) == p
-    unset = wire.tree_params_from_pb(pb.TreeParams(method="taps"))
+    p = TreeParams(method="taps", budget=64, node_penalty_s=0.001, depth_penalty=0.5)
+    measured = RoundContext(cost=fit, draft_s=0.004, shared_tokens=3.0, round_trip_s=0.002,
+                            calibration=AcceptanceCalibration(-0.4, 1.3, -0.2))
+    msg = wire.tree_params_to_pb(p, measured)
+    assert wire.tree_params_from_pb(msg) == p and wire.round_context_from_pb(msg) == measured
+    assert wire.round_context_from_pb(wire.tree_params_to_pb(p)) == RoundContext()  # a request's tree: none
+    unset = wire.round_context_from_pb(pb.TreeParams(method="taps"))
     assert unset.cost is None and unset.calibration.is_identity
     limits = VerifierLimits(tree=TreeLimits(vocab_size=10))
     info = VerifierInfo("m", "float32", "cpu", 10, (2,), (0, 1), limits)
@@ -122,11 +125,11 @@ def test_cost_model_round_trips_in_tree_params_and_verifier_info():
 def test_bad_cost_coefficients_name_the_field(bad):
     msg = pb.TreeParams(method="taps", cost=pb.CostFit(intercept_s=0.01, per_node_s=bad))
     with pytest.raises(InvalidArgumentError, match="tree.cost"):
-        wire.tree_params_from_pb(msg)
+        wire.round_context_from_pb(msg)
     with pytest.raises(InvalidArgumentError, match="tree.draft_s"):
-        wire.tree_params_from_pb(pb.TreeParams(method="taps", draft_s=bad if bad < 0 else float("nan")))
+        wire.round_context_from_pb(pb.TreeParams(method="taps", draft_s=bad if bad < 0 else float("nan")))
     with pytest.raises(InvalidArgumentError, match="tree.calibration"):
-        wire.tree_params_from_pb(pb.TreeParams(
+        wire.round_context_from_pb(pb.TreeParams(
             method="taps", calibration=pb.AcceptanceCalibration(alpha=0.0, beta=bad, per_depth=0.0)))
 
 

@@ -1,6 +1,6 @@
 """``presto-sd``: the command line, one module per command group.
 
-    presto-sd generate "PROMPT" [--method presto-beam] [--budget 32] [--json]   (app/generate.py)
+    presto-sd generate "PROMPT" [--method presto-best-first] [--budget 4] [--json]   (app/generate.py)
     presto-sd generate "PROMPT" --drafter-addr HOST:PORT --verifier-addr HOST:PORT
     presto-sd generate "PROMPT" --orchestrator-addr HOST:PORT
     presto-sd serve drafter|verifier|orchestrator --port P                        (app/serve.py)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from presto_sd.method.builders import TreeParams
 from presto_sd.method.methods import METHOD_NAMES, METHODS
 
 # presto_sd.models.loading.DTYPE_NAMES, without importing transformers for --help
@@ -38,9 +39,11 @@ def parse_lambdas(text: str | None) -> tuple[float, ...] | None:
 
 def add_tree_args(g: argparse._ArgumentGroup) -> None:
     """The tree's shape: depth, and presto-beam's branching and beam."""
-    g.add_argument("--depth", type=int, default=15, help="max tree depth (<= block size - 1)")
-    g.add_argument("--branching", type=int, default=4, help="presto-beam: children per frontier path")
-    g.add_argument("--beam", type=int, default=4, help="presto-beam: frontier paths kept per depth")
+    g.add_argument("--depth", type=int, default=TreeParams.depth, help="max tree depth (<= block size - 1)")
+    g.add_argument("--branching", type=int, default=TreeParams.branching,
+                   help="presto-beam: children per frontier path")
+    g.add_argument("--beam", type=int, default=TreeParams.beam,
+                   help="presto-beam: frontier paths kept per depth")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 (or below 1e-5) = greedy") -> None:
@@ -67,9 +70,9 @@ def add_model_args(p: argparse.ArgumentParser, target_help: str, drafter_help: s
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """What one generation takes: method, tree, sampling and models (generate, serve orchestrator)."""
     g = p.add_argument_group("drafting")
-    # the defaults are the bench's fastest on a 2-core CPU in bf16 (docs/benchmarks.md, "bf16, bitwise")
-    g.add_argument("--method", default="presto-best-first", choices=METHOD_NAMES, help=METHOD_HELP)
-    g.add_argument("--budget", type=int, default=4,
+    # the defaults are TreeParams' (their one home): the bench's fastest on a 2-core CPU
+    g.add_argument("--method", default=TreeParams.method, choices=METHOD_NAMES, help=METHOD_HELP)
+    g.add_argument("--budget", type=int, default=TreeParams.budget,
                    help="draft tree nodes per round (root excluded); taps: the most it may choose "
                         "(default 4: the bench's fastest on a 2-core CPU; a GPU's flat verify cost "
                         "pays for larger trees)")

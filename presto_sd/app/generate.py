@@ -1,6 +1,6 @@
 """``presto-sd generate``: one prompt, on embedded engines, remote ones, or through an orchestrator.
 
-    presto-sd generate "PROMPT" [--method presto-beam] [--budget 32] [--json]
+    presto-sd generate "PROMPT" [--method presto-best-first] [--budget 4] [--json]
     presto-sd generate "PROMPT" --drafter-addr HOST:PORT --verifier-addr HOST:PORT
     presto-sd generate "PROMPT" --orchestrator-addr HOST:PORT
 

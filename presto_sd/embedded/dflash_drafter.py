@@ -25,7 +25,7 @@ from presto_sd.engine.messages import (
     session_tag,
 )
 from presto_sd.engine.sessions import SessionTable
-from presto_sd.method.builders import TreeParams, build_tree
+from presto_sd.method.builders import RoundContext, TreeParams, build_tree
 from presto_sd.method.methods import TREE_METHODS, get_method
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import (
@@ -213,12 +213,13 @@ class DFlashDrafter(Drafter):
             out.append(DraftMarginals(ids, top.values, entropy, hidden[r, :d].float()))
         return out
 
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, params))
+    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+              context: RoundContext = RoundContext()) -> DraftResult:
+        return self._one(DraftCall(session_id, anchor, base, params, context=context))
 
     def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
-                         params: TreeParams) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, params, commit=delta))
+                         params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
+        return self._one(DraftCall(session_id, anchor, base, params, commit=delta, context=context))
 
     def _one(self, call: DraftCall) -> DraftResult:
         result = self.draft_batch([call])[0]
@@ -295,13 +296,13 @@ class DFlashDrafter(Drafter):
 
     def _build(self, s: _DraftSession, c: DraftCall, marginals: DraftMarginals,
                rho: RhoProvider | None, sizes_itself: bool, forward_s: float) -> DraftResult:
-        params = c.params
         ctx = ScoringContext(marginals, s.tokens + [c.anchor], s.ngram)
-        if sizes_itself and params.draft_s <= 0:  # no estimate given: this round's forward
-            params = replace(params, draft_s=forward_s)
+        measured = c.context
+        if sizes_itself and measured.draft_s <= 0:  # no estimate given: this round's forward
+            measured = replace(measured, draft_s=forward_s)
         t0 = time.perf_counter()
         try:
-            built = build_tree(c.anchor, ctx, params, rho)
+            built = build_tree(c.anchor, ctx, c.params, rho, measured)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
         return DraftResult(built.tree, marginals, built.path_scores, forward_s, time.perf_counter() - t0,

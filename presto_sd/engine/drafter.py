@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
 from presto_sd.engine.sessions import KVMemory
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import RoundContext, TreeParams
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
 from presto_sd.models.assets import DrafterDefaults
@@ -51,6 +51,7 @@ class DraftCall:
     base: int
     params: TreeParams
     commit: FeatureDelta | None = None  # applied first (``commit_and_draft``); base = commit.end
+    context: RoundContext = RoundContext()  # what the caller measured this round (TAPS)
 
 
 class Drafter(ABC):
@@ -66,7 +67,8 @@ class Drafter(ABC):
         """
 
     @abstractmethod
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftResult:
+    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+              context: RoundContext = RoundContext()) -> DraftResult:
         """Marginals for the block after ``anchor`` (at position ``base``) and the tree."""
 
     def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
@@ -80,22 +82,23 @@ class Drafter(ABC):
         for c in calls:
             try:
                 if c.commit is None:
-                    out.append(self.draft(c.session_id, c.anchor, c.base, c.params))
+                    out.append(self.draft(c.session_id, c.anchor, c.base, c.params, c.context))
                 else:
-                    out.append(self.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.params))
+                    out.append(self.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.params,
+                                                     c.context))
             except EngineError as e:
                 out.append(answer_of(e))
         return out
 
     def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
-                         params: TreeParams) -> DraftResult:
+                         params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
         """``commit`` then ``draft`` (``base`` = ``delta.end``): the loop's usual round, ONE
         call to a remote drafter. The engines check the whole call before the commit
         applies, so a refused one changes nothing (this default, for others, commits
         first); a call that failed in flight may have applied it, and the next then finds
         the base moved on (stale)."""
         self.commit(session_id, delta)
-        return self.draft(session_id, anchor, base, params)
+        return self.draft(session_id, anchor, base, params, context)
 
     def round_trip_s(self) -> float:
         """What a call costs beyond the engine's own work (``Verifier.round_trip_s``); 0 in process."""

@@ -15,9 +15,12 @@ import torch
 from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
-from presto_sd.method.batch_cost import SharedForward
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree, TreeLimits
+from presto_sd.models.invariant import MAX_INVARIANT_ROWS
+
+# the most rows one verifier forward may hold: its kernels were probed row-invariant up to it
+MAX_FORWARD_ROWS = MAX_INVARIANT_ROWS
 
 
 @dataclass(frozen=True)
@@ -149,13 +152,6 @@ class Verifier(ABC):
     def cost_model(self) -> CostFit | None:
         """The live fit of forward seconds vs tree size and context (None: uncalibrated)."""
         return self.info().cost
-
-    def shared_forward(self, rows: int) -> SharedForward | None:
-        """The forward a request's next tree would share with other sessions' rows
-        (``rows``: this request's share of the last one); None when it runs alone or the
-        engine cannot tell (then ``cost_model`` prices its trees). A batching front (the
-        orchestrator) knows its load; an engine alone does not."""
-        return None
 
     def round_trip_s(self) -> float:
         """What a call costs beyond the engine's own work: the network round trip and the

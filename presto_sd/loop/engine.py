@@ -29,6 +29,8 @@ from presto_sd.loop.faults import DRAFTER_AWAY
 from presto_sd.loop.scheduler import Scheduler, SchedulerConfig, StepPlan
 from presto_sd.loop.sequence import GenerationParams, RoundStats, Sequence, Status, TokenChunk
 from presto_sd.loop.taps_feedback import TapsFeedback
+from presto_sd.method.batch_cost import BatchCostCurve, SharedForward
+from presto_sd.method.builders import RoundContext
 from presto_sd.method.tree import TokenTree
 
 
@@ -51,6 +53,10 @@ class StepEngine:
         self.scheduler = Scheduler(config or SchedulerConfig())
         self.sequences: dict[str, Sequence] = {}
         self._window: int | None = None  # the verifier's context window, asked once
+        # seconds vs rows of this engine's verifier forwards, and the last one's load: what a
+        # sequence's tree shares the forward with (``shared_forward``, TAPS under load)
+        self.cost_curve = BatchCostCurve()
+        self.last_rows, self.last_calls = 0, 0
         self._room_wait: list[Sequence] = []  # refused for KV room: they wait for a finish
 
     # -- requests ---------------------------------------------------------------------
@@ -127,7 +133,7 @@ class StepEngine:
         depth = seq.depth_left()
         can_draft = side is not None and depth >= 1
         if can_draft and seq.method.sizes_itself and seq.taps is None:
-            seq.taps = TapsFeedback(self.verifier, self.drafter, seed=seq.seq_id)
+            seq.taps = TapsFeedback(self.verifier, self.drafter, seed=seq.seq_id, load=self.shared_forward)
         r.gated = can_draft and seq.taps is not None and not seq.taps.should_draft()
         r.wanted = can_draft and not r.gated
         if not r.wanted or not side.can_try(now):
@@ -141,9 +147,8 @@ class StepEngine:
                 return
             side.reopened()
         params = seq.tree_params if depth == seq.tree_params.depth else replace(seq.tree_params, depth=depth)
-        if seq.taps is not None:
-            params = seq.taps.tree_params(params)
-        r.call = side.draft_call(seq.seq_id, seq.anchor, seq.base, params)
+        measured = seq.taps.round_context() if seq.taps is not None else RoundContext()
+        r.call = side.draft_call(seq.seq_id, seq.anchor, seq.base, params, measured)
 
     def _drafted(self, r: _Round, answer: DraftResult | EngineError, now: float) -> None:
         r.draft = r.seq.drafter.answered(answer, now)
@@ -154,7 +159,27 @@ class StepEngine:
             seq = r.seq
             tree = r.draft.tree if r.draft is not None else TokenTree.root_only(seq.anchor)
             calls.append(VerifyCall(seq.seq_id, seq.base, tree))
-        return _each(self.verifier.verify_batch, calls) if calls else []
+        if not calls:
+            return []
+        t0 = self.clock()
+        answers = _each(self.verifier.verify_batch, calls)
+        rows = sum(len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens) for c in calls)
+        self.cost_curve.observe(rows, self.clock() - t0)
+        self.last_rows, self.last_calls = rows, len(calls)
+        return answers
+
+    def shared_forward(self, rows: int) -> SharedForward | None:
+        """The last forward without a sequence's ``rows``: the load its next tree joins (None
+        when it ran alone). The other rows' tokens per step are counted as one per other
+        sequence (an AR step commits one; a tree's round its tau, so this errs toward
+        smaller trees)."""
+        others, load = self.last_calls - 1, self.last_rows - rows
+        if others < 1 or load < 1:
+            return None
+        if self.cost_curve.prior is None:
+            self.cost_curve.prior = self.verifier.cost_model()  # shapes the sizes not seen yet
+        fit = self.cost_curve.shared_fit(load)
+        return None if fit is None else SharedForward(fit, float(others))
 
     def _long_prefill(self, seq: Sequence, now: float) -> None:
         c = seq.verifier.prefill_call(seq.seq_id)

@@ -38,7 +38,7 @@ from presto_sd.engine.messages import (
 )
 from presto_sd.engine.verifier import PrefillCall
 from presto_sd.method.acceptance import SamplingParams
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import RoundContext, TreeParams
 
 # down, too slow, or full (its session cap or context limit): go on without it for now
 DRAFTER_AWAY = (DrafterUnavailableError, LimitExceededError)
@@ -157,10 +157,11 @@ class DrafterSide:
         self.lost, self.opened, self.synced = False, True, len(self.log)
         self.wait = self.policy.drafter_retry_s
 
-    def draft_call(self, session_id: str, anchor: int, base: int, params: TreeParams) -> DraftCall:
+    def draft_call(self, session_id: str, anchor: int, base: int, params: TreeParams,
+                   context: RoundContext) -> DraftCall:
         pending = concat(self.log[self.synced:]) if self.synced < len(self.log) else None
         self._sending = len(self.log)
-        return DraftCall(session_id, anchor, base, params, commit=pending)
+        return DraftCall(session_id, anchor, base, params, commit=pending, context=context)
 
     def answered(self, answer: DraftResult | EngineError, now: float) -> DraftResult | None:
         """The draft's tree, or None when the drafter could not give one (then an AR step)."""

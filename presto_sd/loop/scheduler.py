@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from presto_sd.engine.verifier import MAX_FORWARD_ROWS
 from presto_sd.loop.sequence import Sequence, Status
 
 
@@ -34,10 +35,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_seqs < 1 or self.max_step_tokens < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_seqs, max_step_tokens and max_prefill_tokens must be >= 1")
-        from presto_sd.models.invariant import MAX_INVARIANT_ROWS
-
-        if self.max_step_tokens > MAX_INVARIANT_ROWS:  # past it a verifier refuses the batch's tail
-            raise ValueError(f"max_step_tokens {self.max_step_tokens}: at most {MAX_INVARIANT_ROWS}, the "
+        if self.max_step_tokens > MAX_FORWARD_ROWS:  # past it a verifier refuses the batch's tail
+            raise ValueError(f"max_step_tokens {self.max_step_tokens}: at most {MAX_FORWARD_ROWS}, the "
                              "rows a verifier forward's kernels are probed row-invariant for")
 
 

@@ -21,7 +21,7 @@ from presto_sd.method.methods import Method, get_method
 
 @dataclass(frozen=True)
 class GenerationParams:
-    method: str = "presto-beam"  # "ar" or a tree builder name
+    method: str = TreeParams.method  # "ar" or a tree builder name
     tree: TreeParams = field(default_factory=TreeParams)
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)

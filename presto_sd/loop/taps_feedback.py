@@ -1,21 +1,21 @@
-"""What a generation loop learns round by round and hands to TAPS (``TreeParams``).
+"""What a generation loop learns round by round and hands to TAPS (``RoundContext``).
 
 - **Verify cost.** The verifier's own fit (``Info.cost``: its start-up calibration
   refined by its forwards) is the warm start; the loop refines it with what each round
   really cost it — the verify call as the loop sees it, transfer included in
   distributed mode.
-- **Load.** Where others share the forward (the orchestrator's batches), TAPS weighs a
-  tree against the whole forward's rate (``Verifier.shared_forward``:
-  ``presto_sd.method.batch_cost``): trees shrink toward AR steps as the load grows and
-  grow back as it falls. The lone fit learns only from forwards the request ran alone;
-  the gate compares the forward's rate with and without the tree.
+- **Load.** Where others share the forward (a step of many sequences), TAPS weighs a
+  tree against the whole forward's rate (``StepEngine.shared_forward``, the step
+  engine's measure of its last step: ``presto_sd.method.batch_cost``): trees shrink
+  toward AR steps as the load grows and grow back as it falls. The lone fit learns only
+  from forwards the request ran alone; the gate compares the forward's rate with and without the tree.
 - **Draft time.** A moving average of the round's fixed cost ``t_draft``: the drafter's
   work and the commit, without the network.
 - **The link.** In a split deployment every drafted round pays a round trip to the drafter
   and one to the verifier beyond their work (``Verifier.round_trip_s`` /
   ``Drafter.round_trip_s``: what their clients measure on every call, a median of the
   last ones, so one spike does not move it). TAPS prices each round with their sum
-  (``TreeParams.round_trip_s``): a slow link makes rounds dear, so bigger trees and fewer
+  (``RoundContext.round_trip_s``): a slow link makes rounds dear, so bigger trees and fewer
   rounds pay. The verify and draft times the loop learns from are its wall times less
   those round trips, so the network is counted once. An AR step pays the verifier's.
 - **Acceptance.** The map of ``a(u)`` that makes the trees' promised acceptance match
@@ -47,19 +47,23 @@ Only ``taps`` reads it; one per request, so what it learns follows the request's
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from collections.abc import Callable
 
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import Verifier
 from presto_sd.method.acceptance_calibration import OnlineAcceptanceCalibrator, node_trials
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.batch_cost import SharedForward
+from presto_sd.method.builders import RoundContext
 from presto_sd.method.cost_model import MovingAverage, OnlineCostModel
 from presto_sd.method.tree import TokenTree
 
 
 class TapsFeedback:
     def __init__(self, verifier: Verifier, drafter: Drafter | None = None, max_backoff: int = 8,
-                 max_backoff_loaded: int = 32, seed: int | str = 0) -> None:
+                 max_backoff_loaded: int = 32, seed: int | str = 0,
+                 load: Callable[[int], SharedForward | None] = lambda rows: None) -> None:
+        """``load(rows)``: the forward a tree would share with other sequences' rows, given
+        this sequence's share of the last one (``StepEngine.shared_forward``); None alone."""
         prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
             raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
@@ -76,7 +80,7 @@ class TapsFeedback:
         self._joined = False  # has the first round looked at the load
         self._jitter = random.Random(seed)  # spreads loaded streams' probes over the forwards
         self._verifier, self._rows = verifier, 1  # this request's rows in its last forward
-        self._drafter = drafter
+        self._drafter, self._load = drafter, load
 
     def round_trips(self) -> tuple[float, float]:
         """Seconds a round pays the links beyond the engines' work: (drafter, verifier)."""
@@ -87,7 +91,7 @@ class TapsFeedback:
         """False for the rounds the gate skips (each call is one round)."""
         if not self._joined:  # joining a loaded forward: spread the newcomers' first probes
             self._joined = True
-            shared = self._verifier.shared_forward(self._rows)
+            shared = self._load(self._rows)
             if shared is not None:
                 self._skip = self._jitter.randrange(int(shared.others_tokens) + 1)
         if self._skip > 0:
@@ -95,12 +99,12 @@ class TapsFeedback:
             return False
         return True
 
-    def tree_params(self, params: TreeParams) -> TreeParams:
-        """``params`` with this round's cost model, draft-time estimate and acceptance map."""
-        shared = self._verifier.shared_forward(self._rows)
+    def round_context(self) -> RoundContext:
+        """This round's cost model, load, draft-time estimate, links and acceptance map."""
+        shared = self._load(self._rows)
         cost, others = (shared.cost, shared.others_tokens) if shared else (self.verify.fit, 0.0)
-        return replace(params, cost=cost, shared_tokens=others, draft_s=self.draft.value or 0.0,
-                       round_trip_s=sum(self.round_trips()), calibration=self.acceptance.calibration)
+        return RoundContext(cost=cost, shared_tokens=others, draft_s=self.draft.value or 0.0,
+                            round_trip_s=sum(self.round_trips()), calibration=self.acceptance.calibration)
 
     def observe(
         self, tree: TokenTree | None, node_log_acceptance: tuple[float, ...], base: int,
@@ -110,7 +114,7 @@ class TapsFeedback:
         node's raw acceptance estimate, the draft tokens accepted, and what each step of
         the round cost."""
         rows = tree.size + 1 if tree is not None else 1
-        shared = self._verifier.shared_forward(self._rows)  # what this round's tree was priced on
+        shared = self._load(self._rows)  # what this round's tree was priced on
         drafter_link_s, verifier_link_s = self.round_trips()
         if shared is None:  # a shared forward's wall time would teach the lone fit the others' rows
             self.verify.observe(rows, base, max(verify_s - verifier_link_s, 1e-6))

@@ -35,7 +35,7 @@ _REF = 16  # the linearisation's second point: the marginal cost of this many ro
 @dataclass(frozen=True)
 class SharedForward:
     """The forward a request's next tree joins: its seconds against the tree's tokens, and
-    what the other rows commit per step (TAPS's ``TreeParams.shared_tokens``)."""
+    what the other rows commit per step (TAPS's ``RoundContext.shared_tokens``)."""
 
     cost: CostFit
     others_tokens: float

@@ -44,26 +44,21 @@ MAX_CANDIDATES = 64
 
 @dataclass(frozen=True)
 class TreeParams:
-    method: str = "presto-beam"
-    budget: int = 32  # draft nodes, root excluded
+    """A tree's shape and scoring: configuration, the same every round of a request."""
+
+    # the defaults are every front's (the CLI, a request without them, the gRPC services):
+    # the bench's fastest on a 2-core CPU (docs/benchmarks.md); a GPU pays for larger trees
+    method: str = "presto-best-first"
+    budget: int = 4  # draft nodes, root excluded
     depth: int = 15  # at most block_size - 1
     branching: int = 4  # k: children expanded per frontier path (presto-beam)
     beam: int = 4  # b: frontier paths kept per depth (presto-beam)
     lambdas: tuple[float, ...] = (1.0,)  # lambda_d per depth; the last repeats
     rho: str = "ngram"  # the rho provider PRESTO methods score with; TAPS's a(u)
     top_k: int = 10  # candidates kept per block position (the marginals' K)
-    # TAPS: the verifier's cost model, the drafter's seconds per round (0: this round's
-    # forward), optional penalties (seconds per node, log-reach per depth level), and
-    # the map of a(u) the loop fits to the acceptance it observes (acceptance_calibration.py)
-    cost: CostFit | None = None
-    draft_s: float = 0.0
+    # TAPS's optional penalties: seconds per node, log-reach per depth level
     node_penalty_s: float = 0.0
-    # under load (batch_cost.py): what the shared forward's other rows commit per step
-    shared_tokens: float = 0.0
-    # a split deployment: the round's measured network time to both engines (taps.py's t_link)
-    round_trip_s: float = 0.0
     depth_penalty: float = 0.0
-    calibration: AcceptanceCalibration = AcceptanceCalibration()
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -76,13 +71,35 @@ class TreeParams:
                 raise ValueError(f"tree.{name} = {value}: must be in [1, {MAX_CANDIDATES}]")
         if not self.lambdas or any(lam < 0 for lam in self.lambdas):
             raise ValueError(f"tree.lambdas = {self.lambdas}: must be non-empty and >= 0")
-        for name in ("draft_s", "node_penalty_s", "depth_penalty", "shared_tokens", "round_trip_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
+        _check_seconds(self, ("node_penalty_s", "depth_penalty"))
 
     def lam(self, depth: int) -> float:
         return self.lambdas[min(depth, len(self.lambdas)) - 1]
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What the caller measured for this round (round state, never configuration): TAPS
+    sizes its tree with it; the other builders ignore it (``taps_feedback.py`` makes it)."""
+
+    cost: CostFit | None = None  # the verifier's cost model: seconds vs tree size and context
+    draft_s: float = 0.0  # the drafter's seconds per round (0: this round's forward)
+    # under load (batch_cost.py): what the shared forward's other rows commit per step
+    shared_tokens: float = 0.0
+    # a split deployment: the round's measured network time to both engines (taps.py's t_link)
+    round_trip_s: float = 0.0
+    # the map of a(u) fitted to the acceptance observed (acceptance_calibration.py)
+    calibration: AcceptanceCalibration = AcceptanceCalibration()
+
+    def __post_init__(self) -> None:
+        _check_seconds(self, ("draft_s", "shared_tokens", "round_trip_s"))
+
+
+def _check_seconds(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"tree.{name} = {value}: must be finite and >= 0")
 
 
 @dataclass(frozen=True)
@@ -241,7 +258,7 @@ def build_presto_beam_tree(
     return BuiltTree(TokenTree(tuple(tokens), tuple(parents), tuple(depths)), tuple(scores))
 
 
-def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
+def _taps_early_stop(params: TreeParams, round_: RoundContext, base: int) -> Callable[[float], bool]:
     """Stop popping once no bigger tree can beat the best rate so far (exact, no depth penalty).
 
     From two nodes on, each node adds the same ``m`` seconds (the cost model is linear
@@ -249,13 +266,13 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
     the ``B``-th pop (``B >= 1``), of reach ``r``, every larger tree's rate is at most
     ``max(rate(B), r / m)``: once ``r / m <= best`` the answer is among the popped.
     """
-    per_node = params.cost.marginal_node_s(base) + params.node_penalty_s
+    per_node = round_.cost.marginal_node_s(base) + params.node_penalty_s
 
     def seconds(b: int) -> float:  # choose_budget's denominator: the same rates, exactly
-        return float(round_seconds(b, params.cost, base, params.draft_s, params.node_penalty_s,
-                                   params.round_trip_s))
+        return float(round_seconds(b, round_.cost, base, round_.draft_s, params.node_penalty_s,
+                                   round_.round_trip_s))
 
-    others = params.shared_tokens  # the shared forward's other rows: in every rate's numerator
+    others = round_.shared_tokens  # the shared forward's other rows: in every rate's numerator
     state = {"nodes": 0, "expected": 0.0, "best": (others + 1.0) / max(seconds(0), 1e-9)}
 
     def stop(log_reach: float) -> bool:
@@ -270,21 +287,21 @@ def _taps_early_stop(params: TreeParams, base: int) -> Callable[[float], bool]:
 
 
 def build_taps_tree(
-    anchor: int, ctx: ScoringContext, rho: RhoProvider | None, params: TreeParams
+    anchor: int, ctx: ScoringContext, rho: RhoProvider | None, params: TreeParams, round_: RoundContext,
 ) -> BuiltTree:
     """Pop nodes by reach up to the cap ``params.budget``, then keep the first ``B*``."""
-    if params.cost is None:
+    if round_.cost is None:
         raise ValueError("tree.method 'taps' needs tree.cost: the verifier's cost model (its Info)")
     depth = min(params.depth, ctx.marginals.depth)
     base = len(ctx.context_tokens) - 1
-    stop = None if params.depth_penalty > 0 else _taps_early_stop(params, base)
-    scorer = AcceptanceScorer(ctx, rho, params.depth_penalty, params.calibration)
+    stop = None if params.depth_penalty > 0 else _taps_early_stop(params, round_, base)
+    scorer = AcceptanceScorer(ctx, rho, params.depth_penalty, round_.calibration)
     full = _best_first(anchor, depth, params.budget, scorer, stop)
     t = full.tree
     # pop order is node order; the depth penalty steers the ranking, not the reach
     reaches = [math.exp(s + params.depth_penalty * d) for s, d in zip(full.path_scores[1:], t.depths[1:])]
-    choice = choose_budget(reaches, params.cost, base, params.draft_s, params.node_penalty_s,
-                           params.shared_tokens, params.round_trip_s)
+    choice = choose_budget(reaches, round_.cost, base, round_.draft_s, params.node_penalty_s,
+                           round_.shared_tokens, round_.round_trip_s)
     keep = choice.budget + 1
     tree = TokenTree(t.tokens[:keep], t.parents[:keep], t.depths[:keep])
     raw = [0.0] + [scorer.raw_log_a[tuple(tree.path_tokens(u)[1:])] for u in range(1, keep)]
@@ -296,8 +313,10 @@ def build_tree(
     ctx: ScoringContext,
     params: TreeParams,
     rho: RhoProvider | None = None,
+    round_: RoundContext = RoundContext(),
 ) -> BuiltTree:
-    """Dispatch on ``params.method``; PRESTO methods need a rho provider (TAPS: optional)."""
+    """Dispatch on ``params.method``; PRESTO methods need a rho provider (TAPS: optional,
+    and this round's measurements, ``round_``)."""
     if params.method == "linear":
         return build_linear_tree(anchor, ctx.marginals, params)
     if params.method == "marginal":
@@ -310,5 +329,5 @@ def build_tree(
         )
         return builder(anchor, ctx, rho, params)
     if params.method == "taps":
-        return build_taps_tree(anchor, ctx, rho, params)
+        return build_taps_tree(anchor, ctx, rho, params, round_)
     raise ValueError(f"tree.method = {params.method!r}: unknown (choose from {', '.join(TREE_METHODS)})")

@@ -27,7 +27,7 @@ from presto_sd.engine.messages import (
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.acceptance_calibration import AcceptanceCalibration
-from presto_sd.method.builders import TreeParams
+from presto_sd.method.builders import RoundContext, TreeParams
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree
 from presto_sd.rpc.errors import error_from_status, status_of
@@ -146,21 +146,39 @@ def cost_from_pb(msg: pb.CostFit, field: str = "cost") -> CostFit:
         raise InvalidArgumentError(f"{field}: {e}") from None
 
 
-def tree_params_to_pb(p: TreeParams) -> pb.TreeParams:
-    return pb.TreeParams(
+def tree_params_to_pb(p: TreeParams, context: RoundContext | None = None) -> pb.TreeParams:
+    """A tree's parameters, and a round's measurements where a draft call carries them (the
+    wire keeps both in one ``TreeParams`` message: fields 9, 10 and 13-15 are the round's)."""
+    msg = pb.TreeParams(
         method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
-        lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, cost=cost_to_pb(p.cost), draft_s=p.draft_s,
-        node_penalty_s=p.node_penalty_s, depth_penalty=p.depth_penalty, shared_tokens=p.shared_tokens,
-        round_trip_s=p.round_trip_s,
-        calibration=None if p.calibration.is_identity else pb.AcceptanceCalibration(
-            alpha=p.calibration.alpha, beta=p.calibration.beta, per_depth=p.calibration.per_depth),
+        lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, node_penalty_s=p.node_penalty_s,
+        depth_penalty=p.depth_penalty,
     )
+    if context is not None:
+        c = context.calibration
+        msg.MergeFrom(pb.TreeParams(
+            cost=cost_to_pb(context.cost), draft_s=context.draft_s, shared_tokens=context.shared_tokens,
+            round_trip_s=context.round_trip_s,
+            calibration=None if c.is_identity else pb.AcceptanceCalibration(
+                alpha=c.alpha, beta=c.beta, per_depth=c.per_depth)))
+    return msg
 
 
 def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
     if len(msg.lambdas) > MAX_LAMBDAS:
         raise InvalidArgumentError(f"tree.lambdas: {len(msg.lambdas)} values, at most {MAX_LAMBDAS}")
     kwargs = _set_fields(msg, TreeParams)
+    if any(not math.isfinite(lam) for lam in kwargs.get("lambdas", ())):
+        raise InvalidArgumentError(f"tree.lambdas = {kwargs['lambdas']}: must be finite")
+    try:
+        return TreeParams(**kwargs)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+def round_context_from_pb(msg: pb.TreeParams) -> RoundContext:
+    """The round's measurements a draft call's ``TreeParams`` message carries (unset: none)."""
+    kwargs = {k: v for k, v in _set_fields(msg, RoundContext).items() if k not in ("cost", "calibration")}
     if msg.HasField("cost"):
         kwargs["cost"] = cost_from_pb(msg.cost, "tree.cost")
     if msg.HasField("calibration"):
@@ -169,10 +187,8 @@ def tree_params_from_pb(msg: pb.TreeParams) -> TreeParams:
             kwargs["calibration"] = AcceptanceCalibration(c.alpha, c.beta, c.per_depth)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
-    if any(not math.isfinite(lam) for lam in kwargs.get("lambdas", ())):
-        raise InvalidArgumentError(f"tree.lambdas = {kwargs['lambdas']}: must be finite")
     try:
-        return TreeParams(**kwargs)
+        return RoundContext(**kwargs)
     except ValueError as e:
         raise InvalidArgumentError(str(e)) from None
 
