@@ -195,3 +195,19 @@ def test_the_step_engine_reports_the_load_a_tree_joins(tiny_target):
     lone.step()
     assert lone.shared_forward(rows=1) is None
     _run(lone, [one])
+
+
+def test_trees_that_fill_the_forward_leave_room_for_the_oldest_prompt(tiny_target):
+    """Decodes whose trees fill the step's rows would keep a new prompt out while they run:
+    the oldest waiting prompt's rows are kept free, so it starts at the next step."""
+    verifier, drafter = make_engines(tiny_target)
+    engine = StepEngine(verifier, drafter, SchedulerConfig(max_step_tokens=20, max_prefill_tokens=8))
+    seqs = [engine.add(p, _params("marginal", 40)) for p in PROMPTS[:3] if len(p) <= 4]
+    for _ in range(4):
+        engine.step()
+    assert all(s.status.value == "running" for s in seqs)
+    late = engine.add([2, 7, 1], _params("marginal", 8))
+    engine.step()
+    assert late.status.value == "running" and late.waited_steps == 0
+    _run(engine, [*seqs, late])
+    assert _tokens(late) == hf_greedy(tiny_target, [2, 7, 1], 8)

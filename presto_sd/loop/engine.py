@@ -99,6 +99,11 @@ class StepEngine:
         chunks or ended (their ``chunks``, ``error``)."""
         now = self.clock()
         touched = self._settle_windows()
+        for seq in list(self.scheduler.running):
+            if seq.next_round is None and seq.windowed:
+                self._guarded(seq, self._decide, seq, now)
+                if seq.finished:  # its error goes out with this step
+                    touched.append(seq)
         plan = self.scheduler.schedule(now)
         if not plan:
             return touched
@@ -116,10 +121,26 @@ class StepEngine:
             self._guarded(r.seq, self._verified, r, answer, t1 - t0 if r.call else 0.0, t2 - t1, t2)
         return list(dict.fromkeys([*touched, *plan.prefills, *(r.seq for r in rounds)]))
 
+    def _decide(self, seq: Sequence, now: float) -> None:
+        """The sequence's next round: a tree or an AR step, and the rows it may take. Made
+        once per round, before the scheduler picks (TAPS's gate counts the rounds it is
+        asked about), and kept until the round runs."""
+        side, depth = seq.drafter, seq.depth_left()
+        can_draft = side is not None and depth >= 1
+        if can_draft and seq.method.sizes_itself and seq.taps is None:
+            seq.taps = TapsFeedback(self.verifier, self.drafter, seed=seq.seq_id, load=self.shared_forward)
+        r = _Round(seq)
+        r.gated = can_draft and seq.taps is not None and not seq.taps.should_draft()
+        r.wanted = can_draft and not r.gated
+        seq.next_round = r
+        seq.next_round_rows = seq.tree_params.budget + 1 if r.wanted and side.can_try(now) else 1
+
     def _draft(self, plan: StepPlan, now: float) -> list[_Round]:
-        rounds = [_Round(seq) for seq in plan.decodes]
-        for r in rounds:
-            self._guarded(r.seq, self._plan_draft, r, now)
+        rounds = []
+        for seq in plan.decodes:
+            r, seq.next_round, seq.next_round_rows = seq.next_round, None, 1
+            rounds.append(r)
+            self._guarded(seq, self._plan_draft, r, now)
         rounds = [r for r in rounds if not r.seq.finished]
         drafting = [r for r in rounds if r.call is not None]
         if drafting:
@@ -129,16 +150,12 @@ class StepEngine:
         return [r for r in rounds if not r.seq.finished]
 
     def _plan_draft(self, r: _Round, now: float) -> None:
+        """The round's draft call, if it drafts and the drafter may be asked (a lost session
+        is opened first, from the whole log)."""
         seq, side = r.seq, r.seq.drafter
-        depth = seq.depth_left()
-        can_draft = side is not None and depth >= 1
-        if can_draft and seq.method.sizes_itself and seq.taps is None:
-            seq.taps = TapsFeedback(self.verifier, self.drafter, seed=seq.seq_id, load=self.shared_forward)
-        r.gated = can_draft and seq.taps is not None and not seq.taps.should_draft()
-        r.wanted = can_draft and not r.gated
         if not r.wanted or not side.can_try(now):
             return
-        if side.lost:  # a session from the whole log first (it may be the first draft)
+        if side.lost:
             delta, restart = side.reopen()
             try:
                 self.drafter.prefill(seq.seq_id, delta, restart=restart)
@@ -146,6 +163,7 @@ class StepEngine:
                 side.away(now)
                 return
             side.reopened()
+        depth = seq.depth_left()
         params = seq.tree_params if depth == seq.tree_params.depth else replace(seq.tree_params, depth=depth)
         measured = seq.taps.round_context() if seq.taps is not None else RoundContext()
         r.call = side.draft_call(seq.seq_id, seq.anchor, seq.base, params, measured)

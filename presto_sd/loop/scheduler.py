@@ -2,8 +2,9 @@
 
 Per step (``StepEngine.step``) it picks, within the step's bounds:
 
-- **decodes**: running sequences, each one round (a tree, or one AR token). All of them
-  when they fit; otherwise in rotation, so every sequence gets its turn.
+- **decodes**: running sequences, each one round (a tree, or one AR token: the step
+  engine decides which before the schedule, so an AR step is counted as the one row it
+  is). All of them when they fit; otherwise in rotation, so every sequence gets its turn.
 - **prefills**: waiting sequences in arrival order (first prompts, and re-prefills of
   sessions a verifier lost), while their prompt tokens fit ``max_prefill_tokens``. They
   ride in the same verifier forward as the decodes. A prompt longer than that bound is
@@ -14,7 +15,8 @@ The bounds are rows of the one verifier forward (``max_step_tokens``: tree nodes
 tokens and prompt tokens) and sequences per step (``max_seqs``). The KV budget is the
 verifier's: a prompt it refuses for room (RESOURCE_EXHAUSTED) while others run waits for
 one of them to finish instead of failing. No waiting prompt starves: the oldest one is
-taken whenever a sequence slot is free, ahead of any younger one.
+taken whenever a sequence slot is free, ahead of any younger one, and the decodes leave
+its rows free in the forward.
 """
 
 from __future__ import annotations
@@ -65,22 +67,33 @@ class Scheduler:
 
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
-        rows = self._pick_decodes(plan, now)
+        rows = self._pick_decodes(plan, now, self._reserved(now))
         self._pick_prefills(plan, now, rows)
         for seq in self.waiting:
             if seq not in plan.prefills and seq is not plan.long_prefill:
                 seq.waited_steps += 1
         return plan
 
-    def _pick_decodes(self, plan: StepPlan, now: float) -> int:
+    def _reserved(self, now: float) -> int:
+        """Rows kept for the oldest waiting prompt when a slot is free for it, so that
+        decodes that fill the forward never starve it (a long one goes by its own call)."""
+        if len(self.running) >= self.config.max_seqs:
+            return 0
+        head = next((s for s in self.waiting if s.verifier.ready(now)), None)
+        n = head.verifier.prompt_tokens if head is not None else 0
+        return n if n <= self.config.max_prefill_tokens else 0
+
+    def _pick_decodes(self, plan: StepPlan, now: float, reserved: int) -> int:
         cfg, rows = self.config, 0
-        ready = [s for s in self.running if not s.verifier.lost and s.verifier.ready(now) and s.windowed]
+        ready = [s for s in self.running
+                 if not s.verifier.lost and s.verifier.ready(now) and s.next_round is not None]
         if not ready:
             return 0
         start = self._turn % len(ready)
         for seq in ready[start:] + ready[:start]:
             n = decode_rows(seq)
-            if len(plan.decodes) == cfg.max_seqs or (plan.decodes and rows + n > cfg.max_step_tokens):
+            full = plan.decodes and rows + n > cfg.max_step_tokens - reserved
+            if len(plan.decodes) == cfg.max_seqs or full:
                 break
             plan.decodes.append(seq)
             rows += n
@@ -125,8 +138,7 @@ class Scheduler:
 
 
 def decode_rows(seq: Sequence) -> int:
-    """The most rows a sequence's round adds to the verifier forward: its tree's budget and
-    the root (an AR step: the root alone)."""
-    if seq.drafter is None or seq.depth_left() < 1:
-        return 1
-    return seq.tree_params.budget + 1
+    """The most rows a sequence's next round adds to the verifier forward: a tree's budget
+    and its root, or the root alone for an AR step (TAPS's gate shut, the drafter away,
+    the last token), as the step engine decided it before this step's schedule."""
+    return seq.next_round_rows

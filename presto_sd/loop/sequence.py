@@ -126,6 +126,10 @@ class Sequence:
         self.drafter = DrafterSide(params.faults) if self.method.needs_drafter else None
         self.tree_params = replace(params.tree, method=params.method)
         self.taps = None  # TapsFeedback, made when the first round needs it
+        # the step engine's decision for the next round (a tree or an AR step), made before
+        # the scheduler picks, and the most verifier rows that round may take
+        self.next_round = None
+        self.next_round_rows = 1
         self.status = Status.WAITING
         self.anchor, self.base = -1, 0
         self.windowed = False  # the stopper knows the verifier's context window
