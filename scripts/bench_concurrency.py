@@ -249,6 +249,35 @@ def peer_rows(prompts: list, levels: list[int], dtypes: list[str], args: argpars
     return rows
 
 
+def prefill_floor(prompts: list, levels: list[int], args: argparse.Namespace) -> dict[int, float]:
+    """The TTFT floor of C prompts that arrive at once: the seconds to prefill all of them
+    with nothing else running, in steps of at most 512 prompt tokens (the scheduler's
+    ``max_prefill_tokens``) — the last one's first token cannot come sooner on this CPU."""
+    import torch
+
+    from presto_sd.embedded.stack import load_verifier
+    from presto_sd.engine.verifier import PrefillCall
+
+    torch.set_num_threads(args.threads)
+    verifier = load_verifier(None, None)
+    out = {}
+    for level in levels:
+        groups, group = [], []
+        for i, p in enumerate(prompts[:level]):
+            if group and sum(len(q) for _, q in group) + len(p) > 512:
+                groups.append(group)
+                group = []
+            group.append((i, p))
+        groups.append(group)
+        t0 = time.perf_counter()
+        for g in groups:
+            verifier.verify_batch([PrefillCall(f"floor-{i}", tuple(p)) for i, p in g])
+        out[level] = round(time.perf_counter() - t0, 2)
+        for i in range(level):
+            verifier.close(f"floor-{i}")
+    return out
+
+
 def main() -> None:
     from tqdm import tqdm
 
@@ -283,10 +312,14 @@ def main() -> None:
     peer_dtypes = [d for d in args.peer_dtypes.split(",") if d]
     if peer_dtypes:
         rows += peer_rows(prompts, levels, peer_dtypes, args)
-    report(rows, args)
+    floor = prefill_floor(prompts, levels, args)
+    tokens = {level: sum(len(p) for p in prompts[:level]) for level in levels}
+    report(rows, args, {"ttft_floor_s": floor, "prompt_tokens": tokens})
+    print("TTFT floor, every prompt prefilled back to back with nothing else running: " + ", ".join(
+        f"{level} streams {floor[level]} s ({tokens[level]} prompt tokens)" for level in levels))
 
 
-def report(rows: list[dict], args: argparse.Namespace) -> None:
+def report(rows: list[dict], args: argparse.Namespace, extra: dict | None = None) -> None:
     ar = {r["streams"]: r["outputs"] for r in rows if r["method"] == "ar" and r["mode"] in STACKS}
     for r in rows:
         ref = ar.get(r["streams"])
@@ -307,7 +340,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
               f"| {cpu} | {r['equal_to_ar']} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    result = {"args": vars(args), "rows": rows, **(extra or {})}
+    (out / "serving.json").write_text(json.dumps(result, indent=2))
     plot(rows, out / "serving.png")
 
 
