@@ -14,6 +14,7 @@ import grpc
 
 from drafter_service import wire
 from presto_pb.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from presto_sd.engine import calls
 from presto_sd.engine.messages import EngineError, InvalidArgumentError
 from presto_sd.rpc.decoding import off_loop
 from presto_sd.rpc.server import EngineHost
@@ -30,24 +31,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
     async def Prefill(self, request, context: grpc.aio.ServicerContext):
         sid = self.session_key(session_id_from(request.session_id))
         delta = await off_loop(request.delta.ByteSize(), delta_from_pb, request.delta)  # a prompt's features
-        base = await self.run(context, "prefill", sid, delta, request.restart)
+        base = await self.run(context, calls.DrafterPrefill(sid, delta, request.restart))
         return drafter_pb2.DrafterPrefillResponse(base=base)
 
     async def Draft(self, request, context: grpc.aio.ServicerContext):
         c = await off_loop(request.commit.ByteSize(), wire.draft_call_from_pb, request)  # a commit's features
-        sid = self.session_key(c.session_id)
-        if c.commit is None:
-            res = await self.run(context, "draft", sid, c.anchor, c.base, c.params, c.context)
-        else:
-            res = await self.run(context, "commit_and_draft", sid, c.commit, c.anchor, c.base, c.params,
-                                 c.context)
+        res = await self.run(context, calls.Draft(replace(c, session_id=self.session_key(c.session_id))))
         return wire.draft_result_to_pb(res, request.want_marginals)
 
     async def DraftBatch(self, request, context: grpc.aio.ServicerContext):
         items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
                  for c in wire.draft_calls_from_pb(request)]  # a malformed item: its own error
-        calls = [c for c in items if not isinstance(c, EngineError)]
-        results = iter(await self.run(context, "draft_batch", calls))
+        valid = tuple(c for c in items if not isinstance(c, EngineError))
+        results = iter(await self.run(context, calls.DraftBatch(valid)))
         answers = [c if isinstance(c, EngineError) else next(results) for c in items]
         return wire.draft_batch_to_pb(answers, [item.want_marginals for item in request.items])
 
@@ -56,11 +52,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer, EngineHost):
         delta = await off_loop(request.delta.ByteSize(), delta_from_pb, request.delta)
         if delta.start != base:
             raise InvalidArgumentError(f"delta.start = {delta.start}: must equal session.base = {base}")
-        base = await self.run(context, "commit", self.session_key(sid), delta)
+        base = await self.run(context, calls.Commit(self.session_key(sid), delta))
         return drafter_pb2.CommitResponse(base=base)
 
     async def Close(self, request, context: grpc.aio.ServicerContext):
-        await self.run(context, "close", self.session_key(session_id_from(request.session_id)))
+        await self.run(context, calls.Close(self.session_key(session_id_from(request.session_id))))
         return common_pb2.CloseResponse()
 
     async def Info(self, request, context: grpc.aio.ServicerContext):

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from presto_sd.engine.calls import BATCHED, EngineCall
 from presto_sd.engine.messages import EngineError
 from presto_sd.method.cost_model import RollingMedian
 from presto_sd.rpc.client import ClientConfig
@@ -45,8 +46,8 @@ class EngineStats:
 
 
 class EngineActor:
-    """One engine, and ``call`` to run any of its methods: in a Ray actor process, or
-    (``portable=False``) in this one."""
+    """One engine, and ``call`` to run an engine call on it (``presto_sd.engine.calls``): in
+    a Ray actor process, or (``portable=False``) in this one."""
 
     def __init__(self, factory: Callable[[], Any], threads: int | None = None, portable: bool = True) -> None:
         if threads:
@@ -57,12 +58,12 @@ class EngineActor:
         self.portable = portable  # refusals cross a process boundary: make them picklable
         self.busy_s, self.calls, self.started = 0.0, 0, time.monotonic()
 
-    def call(self, method: str, *args: Any) -> Outcome:
+    def call(self, call: EngineCall) -> Outcome:
         keep = _portable if self.portable else _same
         t0 = time.perf_counter()
         try:
-            value, error = getattr(self.engine, method)(*args), None
-            if method in ("verify_batch", "draft_batch"):  # per-call refusals travel inside the list
+            value, error = call.run(self.engine), None
+            if isinstance(call, BATCHED):  # per-item refusals travel inside the list
                 value = [keep(v) if isinstance(v, EngineError) else v for v in value]
         except EngineError as e:
             value, error = None, keep(e)
@@ -189,9 +190,9 @@ class ActorEngine:
         self.actor = start_actor(spec)
         self.link = RollingMedian()  # the hop into the actor and back, beyond the engine's work
 
-    def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
+    def call(self, call: EngineCall, timeout_s: float) -> Outcome:
         t0 = time.perf_counter()
-        out: Outcome = ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+        out: Outcome = ray.get(self.actor.call.remote(call), timeout=timeout_s)
         self.link.observe(time.perf_counter() - t0 - out.busy_s)
         return out
 
@@ -214,8 +215,8 @@ class DirectEngine:
         rpc = getattr(self.local.engine, "rpc", None)  # a remote engine's client measures its link
         self.link: RollingMedian = rpc.link if rpc is not None else RollingMedian()
 
-    def call(self, method: str, *args: Any, timeout_s: float) -> Outcome:
-        return self.local.call(method, *args)
+    def call(self, call: EngineCall, timeout_s: float) -> Outcome:
+        return self.local.call(call)
 
     def stats(self) -> EngineStats:
         return self.local.stats()

@@ -17,6 +17,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from orchestrator.actors import ActorEngine, DirectEngine, Outcome, ReplicaSpec
 from orchestrator.metrics import Metrics
+from presto_sd.engine.calls import EngineCall
 from presto_sd.engine.messages import DrafterUnavailableError, UnavailableError, VerifierUnavailableError
 
 
@@ -54,12 +55,12 @@ class Replica:
     def healthy(self) -> bool:
         return not self.dead and time.monotonic() >= self.down_until
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Outcome:
-        """``engine.method(*args)`` in the actor; refusals raise the engine's named error."""
+    def call(self, call: EngineCall, timeout_s: float | None = None) -> Outcome:
+        """``call`` on the engine (in its actor); refusals raise the engine's named error."""
         if timeout_s is None:
             timeout_s = self.timeouts.drafter_s if self.kind == "drafter" else self.timeouts.verifier_s
         try:
-            out: Outcome = self.engine.call(method, *args, timeout_s=timeout_s)
+            out: Outcome = self.engine.call(call, timeout_s=timeout_s)
         except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
             self.dead = self.dead or isinstance(e, ActorDiedError)
             self.failed("UNAVAILABLE")

@@ -25,6 +25,7 @@ from typing import Any
 
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool
+from presto_sd.engine import calls
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
 from presto_sd.engine.messages import EngineError, FeatureDelta, UnavailableError
 from presto_sd.engine.verifier import (
@@ -88,7 +89,7 @@ class _Pool:
         held = self.held.pop(session_id, set())
         for replica in held:
             try:
-                replica.call("close", session_id)
+                replica.call(calls.Close(session_id))
             except EngineError:
                 pass
         with self.pool.lock:
@@ -97,43 +98,44 @@ class _Pool:
             self.homes.pop(session_id, None)
             self._gauge()
 
-    def batched(self, method: str, calls: Sequence, on_call: Callable[[Replica, list, float], None]) -> list:
-        """``method`` over ``calls``, one call per home replica at once; each item's answer
+    def batched(self, batch: type[calls.VerifyBatch | calls.DraftBatch], items: Sequence,
+                on_call: Callable[[Replica, list, float], None]) -> list:
+        """``batch`` over ``items``, one call per home replica at once; each item's answer
         (a replica that fails answers every item of its call with its error)."""
         groups: dict[Replica, list[int]] = defaultdict(list)
-        for i, c in enumerate(calls):
+        for i, c in enumerate(items):
             groups[self.home(c.session_id)].append(i)
-        out: list = [None] * len(calls)
+        out: list = [None] * len(items)
 
-        def send(replica: Replica, items: list[int]) -> None:
-            sent = [calls[i] for i in items]
+        def send(replica: Replica, indices: list[int]) -> None:
+            sent = [items[i] for i in indices]
             try:
-                outcome = replica.call(method, sent)
+                outcome = replica.call(batch(tuple(sent)))
             except EngineError as e:  # the replica away: each item sees it
-                for i in items:
+                for i in indices:
                     out[i] = _copy(e)
                 return
             away = next((a for a in outcome.value if isinstance(a, UnavailableError)), None)
             if away is not None:  # a remote engine that did not answer: its sessions re-home
                 replica.failed(away.code)
-            for i, answer in zip(items, outcome.value):
+            for i, answer in zip(indices, outcome.value):
                 out[i] = answer
                 if isinstance(answer, EngineError) and answer is not away:
                     self.metrics.error(self.kind, answer.code)
-            for i in items:  # a batch's engine time is each of its sessions' round's
-                self.engine_s[calls[i].session_id] += outcome.busy_s
+            for i in indices:  # a batch's engine time is each of its sessions' round's
+                self.engine_s[items[i].session_id] += outcome.busy_s
             on_call(replica, sent, outcome.busy_s)
 
         if len(groups) == 1:
             send(*next(iter(groups.items())))
         else:
-            for f in [self._fan_out.submit(send, r, items) for r, items in groups.items()]:
+            for f in [self._fan_out.submit(send, r, indices) for r, indices in groups.items()]:
                 f.result()
         return out
 
-    def single(self, session_id: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    def single(self, session_id: str, call: calls.EngineCall, timeout_s: float | None = None) -> Any:
         replica = self.home(session_id)
-        outcome = replica.call(method, *args, timeout_s=timeout_s)
+        outcome = replica.call(call, timeout_s=timeout_s)
         self.engine_s[session_id] += outcome.busy_s
         return outcome.value
 
@@ -154,7 +156,7 @@ class PooledVerifier(_Pool, Verifier):
         self._lock = threading.Lock()
 
     def info(self) -> VerifierInfo:
-        return self.pool.pick().call("info").value
+        return self.pool.pick().call(calls.Info()).value
 
     def cost_model(self) -> CostFit | None:
         return self.info().cost
@@ -162,7 +164,7 @@ class PooledVerifier(_Pool, Verifier):
     def calibrate_cost(self) -> CostFit | None:
         """TAPS's cost model: a replica's own (an in-process verifier measures its forwards)."""
         replica = self.pool.pick()
-        return replica.call("calibrate_cost", timeout_s=replica.timeouts.prefill_s).value
+        return replica.call(calls.CalibrateCost(), timeout_s=replica.timeouts.prefill_s).value
 
     def max_context(self) -> int:
         """The smallest window of the healthy replicas, asked once per replica (it is fixed
@@ -170,7 +172,7 @@ class PooledVerifier(_Pool, Verifier):
         windows = []
         for replica in [r for r in self.pool.replicas if r.healthy] or [self.pool.pick()]:
             if replica.max_context is None:
-                replica.max_context = replica.call("max_context").value
+                replica.max_context = replica.call(calls.MaxContext()).value
             windows.append(replica.max_context)
         return min(windows)
 
@@ -179,8 +181,8 @@ class PooledVerifier(_Pool, Verifier):
         """A long prompt, alone (its engine prefills it in chunks)."""
         self._count_prefill(session_id)
         replica = self.home(session_id)
-        out = self.single(session_id, "prefill", session_id, token_ids, sampling, anchor, restart,
-                          timeout_s=replica.timeouts.prefill_s)
+        call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+        out = self.single(session_id, calls.Prefill(call), timeout_s=replica.timeouts.prefill_s)
         self.metrics.batch(replica.name, 1, len(token_ids), 0.0, 1)
         return out
 
@@ -191,16 +193,16 @@ class PooledVerifier(_Pool, Verifier):
             raise answer
         return answer
 
-    def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
-        for c in calls:
+    def verify_batch(self, items: Sequence[BatchCall]) -> list[BatchAnswer]:
+        for c in items:
             if isinstance(c, PrefillCall):
                 self._count_prefill(c.session_id)
-        return self.batched("verify_batch", calls, self._on_batch)
+        return self.batched(calls.VerifyBatch, items, self._on_batch)
 
-    def _on_batch(self, replica: Replica, calls: list, busy_s: float) -> None:
-        prompts = sum(1 for c in calls if isinstance(c, PrefillCall))
-        tokens = sum(len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens) for c in calls)
-        self.metrics.batch(replica.name, len(calls), tokens, busy_s, prompts)
+    def _on_batch(self, replica: Replica, sent: list, busy_s: float) -> None:
+        prompts = sum(1 for c in sent if isinstance(c, PrefillCall))
+        tokens = sum(len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens) for c in sent)
+        self.metrics.batch(replica.name, len(sent), tokens, busy_s, prompts)
 
     def _count_prefill(self, session_id: str) -> None:
         with self._lock:
@@ -218,11 +220,11 @@ class PooledDrafter(_Pool, Drafter):
     kind = "drafter"
 
     def info(self) -> DrafterInfo:
-        return self.pool.pick().call("info").value
+        return self.pool.pick().call(calls.Info()).value
 
     def prefill(self, session_id: str, delta: FeatureDelta, restart: bool = False) -> int:
         replica = self.home(session_id)
-        return self.single(session_id, "prefill", session_id, delta, restart,
+        return self.single(session_id, calls.DrafterPrefill(session_id, delta, restart),
                            timeout_s=replica.timeouts.prefill_s)
 
     def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
@@ -232,12 +234,12 @@ class PooledDrafter(_Pool, Drafter):
             raise answer
         return answer
 
-    def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
-        return self.batched("draft_batch", calls,
+    def draft_batch(self, items: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
+        return self.batched(calls.DraftBatch, items,
                             lambda replica, sent, busy_s: self.metrics.draft_batch(replica.name, len(sent)))
 
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
-        return self.single(session_id, "commit", session_id, delta)
+        return self.single(session_id, calls.Commit(session_id, delta))
 
 
 def _copy(e: EngineError) -> EngineError:

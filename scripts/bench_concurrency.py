@@ -158,12 +158,13 @@ class EmbeddedStack:
 
         from orchestrator.actors import local_spec
         from orchestrator.orchestrator import Orchestrator
+        from presto_sd.engine.calls import Info
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         self.orch = Orchestrator.start([local_spec("drafter", 0, None, None, args.threads)],
                                        [local_spec("verifier", 0, None, None, args.threads)])
-        self.eos = self.orch.verifiers.replicas[0].call("info").value.eos_token_ids
-        self.dinfo = self.orch.drafters.replicas[0].call("info").value
+        self.eos = self.orch.verifiers.replicas[0].call(Info()).value.eos_token_ids
+        self.dinfo = self.orch.drafters.replicas[0].call(Info()).value
 
     def cpu_s(self) -> dict[str, float]:
         return {}  # the actors are Ray's workers, not this process's children
@@ -198,13 +199,14 @@ class EngineStack(EmbeddedStack):
         from orchestrator.actors import local_spec
         from orchestrator.metrics import Metrics
         from orchestrator.orchestrator import Orchestrator
+        from presto_sd.engine.calls import Info
 
         torch.set_num_threads(args.threads)  # one process: both engines share its pool
         specs = [dataclasses.replace(local_spec(kind, 0, None, None), direct=True)
                  for kind in ("drafter", "verifier")]
         self.orch = Orchestrator.start(specs[:1], specs[1:], metrics=Metrics(export=False))
-        self.eos = self.orch.verifiers.replicas[0].call("info").value.eos_token_ids
-        self.dinfo = self.orch.drafters.replicas[0].call("info").value
+        self.eos = self.orch.verifiers.replicas[0].call(Info()).value.eos_token_ids
+        self.dinfo = self.orch.drafters.replicas[0].call(Info()).value
 
     def close(self) -> None:
         self.orch.shutdown()

@@ -28,6 +28,7 @@ from orchestrator.actors import ActorEngine, ReplicaSpec
 from orchestrator.client import OrchestratorClient
 from orchestrator.metrics import prometheus_names
 from orchestrator.orchestrator import Orchestrator
+from presto_sd.engine.calls import Apply
 from presto_sd.engine.messages import (
     InvalidArgumentError,
     LimitExceededError,
@@ -429,7 +430,7 @@ def test_a_drafter_actor_lets_idle_openmp_threads_sleep(metrics_port, monkeypatc
         probe = ReplicaSpec(kind, "env-probe", functools.partial(os.getenv, "OMP_WAIT_POLICY", "unset"))
         engine = ActorEngine(probe)  # the "engine" is the actor process's value; ``call`` runs its methods
         try:
-            return engine.call("lower", timeout_s=120).value
+            return engine.call(Apply(str.lower), timeout_s=120).value
         finally:
             engine.kill()
 

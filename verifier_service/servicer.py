@@ -14,6 +14,7 @@ from dataclasses import replace
 import grpc
 
 from presto_pb.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from presto_sd.engine import calls
 from presto_sd.engine.messages import EngineError, LimitExceededError
 from presto_sd.engine.verifier import VerifierLimits, VerifyCall
 from presto_sd.method.tree import TokenTree
@@ -42,8 +43,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
         call = wire.prefill_call_from_pb(request)
         sid, tokens = self.session_key(call.session_id), list(call.token_ids)
         self.check_response(wire.prefill_response_bound(len(tokens), self._row_bytes()), "prefill")
-        res = await self.run_steps(context, "prefill_steps", sid, tokens, call.sampling, call.anchor,
-                                   call.restart)
+        res = await self.run_steps(context, calls.Prefill(replace(call, session_id=sid)))
         return wire.prefill_result_to_pb(res)
 
     async def Verify(self, request, context: grpc.aio.ServicerContext):
@@ -51,7 +51,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
         tree = tree_from_pb(request.tree, max_nodes=self.limits().tree.max_nodes)
         call = VerifyCall(self.session_key(sid), base, tree, request.want_node_probs)
         self.check_response(wire.verify_response_bound(call, self._row_bytes()), "verify")
-        res = await self.run(context, "verify", call.session_id, base, call.tree, call.want_node_probs)
+        res = await self.run(context, calls.Verify(call))
         return wire.verify_result_to_pb(res)
 
     async def VerifyBatch(self, request, context: grpc.aio.ServicerContext):
@@ -62,12 +62,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
                 f"verify_batch: {n} items, more than the {limits.max_sessions} sessions this verifier holds")
         items = [c if isinstance(c, EngineError) else replace(c, session_id=self.session_key(c.session_id))
                  for c in wire.verify_calls_from_pb(request, limits.tree.max_nodes)]  # malformed: own error
-        calls = [c for c in items if not isinstance(c, EngineError)]
+        valid = tuple(c for c in items if not isinstance(c, EngineError))
         row = self._row_bytes()
         bound = sum(wire.verify_response_bound(c, row) if isinstance(c, VerifyCall)
-                    else wire.prefill_response_bound(len(c.token_ids), row) for c in calls)
+                    else wire.prefill_response_bound(len(c.token_ids), row) for c in valid)
         self.check_response(bound + wire.ITEM_ERROR_BOUND * len(items), "verify_batch")
-        results = iter(await self.run(context, "verify_batch", calls))
+        results = iter(await self.run(context, calls.VerifyBatch(valid)))
         answers = [c if isinstance(c, EngineError) else next(results) for c in items]
         return wire.verify_batch_to_pb(answers, len(request.items))
 
@@ -75,11 +75,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer, EngineHost):
         sid, base = session_ref_from_pb(request.session)
         step = VerifyCall(self.session_key(sid), base, TokenTree.root_only(request.anchor))
         self.check_response(wire.verify_response_bound(step, self._row_bytes()), "step")
-        res = await self.run(context, "step", step.session_id, base, request.anchor)
+        res = await self.run(context, calls.Step(step.session_id, base, request.anchor))
         return wire.verify_result_to_pb(res)
 
     async def Close(self, request, context: grpc.aio.ServicerContext):
-        await self.run(context, "close", self.session_key(session_id_from(request.session_id)))
+        await self.run(context, calls.Close(self.session_key(session_id_from(request.session_id))))
         return common_pb2.CloseResponse()
 
     async def Info(self, request, context: grpc.aio.ServicerContext):

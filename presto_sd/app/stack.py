@@ -109,6 +109,7 @@ def orchestrated(args: argparse.Namespace):
     """Start the replicas and work out the request defaults: (orchestrator, defaults, tokenizer)."""
     from orchestrator.orchestrator import Orchestrator, OrchestratorConfig
     from orchestrator.service import ServiceDefaults
+    from presto_sd.engine.calls import Info
     from presto_sd.models.loading import load_tokenizer
 
     drafters, verifiers = replica_specs(args)
@@ -117,8 +118,8 @@ def orchestrated(args: argparse.Namespace):
                                 args.max_batch_prefill_tokens)
     orch = Orchestrator.start(drafters, verifiers, config,
                               detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
-    vinfo = orch.verifiers.replicas[0].call("info").value
-    dinfo = orch.drafters.replicas[0].call("info").value  # its name and fitted settings
+    vinfo = orch.verifiers.replicas[0].call(Info()).value
+    dinfo = orch.drafters.replicas[0].call(Info()).value  # its name and fitted settings
     params = generation_params(args, vinfo.eos_token_ids, dinfo)
     defaults = ServiceDefaults(params, vinfo.model, dinfo.name or "random", dinfo,
                                rho=args.rho, lambdas=parse_lambdas(args.lambdas), vocab_size=vinfo.vocab_size)

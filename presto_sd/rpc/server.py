@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,6 +45,9 @@ from presto_sd.engine.messages import LimitExceededError, UnauthenticatedError, 
 from presto_sd.rpc.decoding import RawRequest, deferred, off_loop, passing_bytes
 from presto_sd.rpc.errors import DeadlineExpiredError, status_of
 from presto_sd.rpc.principals import ANONYMOUS, DEFAULT, Principals
+
+if TYPE_CHECKING:  # the thin clients import this module: no torch for them
+    from presto_sd.engine.calls import EngineCall, Prefill
 
 log = logging.getLogger("presto_sd.rpc")
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -178,19 +181,19 @@ class EngineHost:
             raise UnavailableError(f"{self.name}: the model is still loading")
         return self.engine
 
-    async def run(self, context: grpc.aio.ServicerContext | None, method: str, *args: Any) -> Any:
-        """``engine.method(*args)`` on the engine thread, unless the deadline passes first."""
-        fn = getattr(self.ready(), method)
+    async def run(self, context: grpc.aio.ServicerContext | None, call: EngineCall) -> Any:
+        """``call.run(engine)`` on the engine thread, unless the deadline passes first."""
+        engine = self.ready()
         remaining = context.time_remaining() if context is not None else None
         deadline = None if remaining is None else time.monotonic() + remaining
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, _run_before, deadline, fn, args)
+        return await loop.run_in_executor(self._thread, _run_before, deadline, call.run, (engine,))
 
-    async def run_steps(self, context: grpc.aio.ServicerContext | None, method: str, *args: Any) -> Any:
-        """``engine.method(*args)``, a generator, one step per engine-thread task: calls queued
+    async def run_steps(self, context: grpc.aio.ServicerContext | None, call: Prefill) -> Any:
+        """``call.steps(engine)``, a generator, one step per engine-thread task: calls queued
         meanwhile run between its steps. A deadline or a cancel stops it between steps (the
         generator is closed on the engine thread, so what it reserved is given back)."""
-        steps = getattr(self.ready(), method)(*args)
+        steps = call.steps(self.ready())
         remaining = context.time_remaining() if context is not None else None
         deadline = None if remaining is None else time.monotonic() + remaining
         loop, done = asyncio.get_running_loop(), False
@@ -408,10 +411,12 @@ class GrpcServer:
         await self.attach(await self.servicer.load(loader))
 
     async def _reap(self) -> None:
+        from presto_sd.engine.calls import CloseIdle
+
         ttl = self.config.session_ttl_s
         while True:
             await asyncio.sleep(min(ttl / 2, 30.0))
-            closed = await self.servicer.run(None, "close_idle", ttl)
+            closed = await self.servicer.run(None, CloseIdle(ttl))
             if closed:
                 tags = [session_tag(k) for k in closed]
                 log.info(json.dumps({"event": "sessions_expired", "sessions": tags}))
