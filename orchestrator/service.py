@@ -15,7 +15,7 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import grpc
 
@@ -27,6 +27,7 @@ from presto_pb.v1 import orchestrator_pb2 as pb
 from presto_sd.engine.drafter import DrafterInfo
 from presto_sd.engine.messages import InvalidArgumentError, LimitExceededError
 from presto_sd.loop.generate import GenerationParams, ResultCollector
+from presto_sd.method.builders import TreeParams
 from presto_sd.method.methods import METHOD_NAMES, get_method
 from presto_sd.models.loading import encode_messages
 from presto_sd.rpc.errors import status_of
@@ -100,6 +101,9 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
     return ids
 
 
+_TREE_FIELDS = frozenset(f.name for f in fields(TreeParams))
+
+
 def _given(msg) -> set[str]:
     """The fields a message sets (proto3 presence): these override the server's defaults."""
     return {fd.name for fd, _ in msg.ListFields()}
@@ -114,7 +118,9 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer,
     if method not in METHOD_NAMES:
         raise InvalidArgumentError(f"method = {method!r}: one of {', '.join(METHOD_NAMES)}")
     tree, sampling = tree_params_from_pb(msg.tree), sampling_from_pb(msg.sampling)  # checked
-    given = {k: getattr(tree, k) for k in _given(msg.tree)}
+    # a request's tree is configuration: what a round measures (cost, draft_s, ...) is the
+    # step engine's to fill, so those fields of the message are not the request's to set
+    given = {k: getattr(tree, k) for k in _given(msg.tree) if k in _TREE_FIELDS}
     given["rho"], given["lambdas"] = defaults.tree_settings(method, given.get("rho"), given.get("lambdas"))
     if "method" not in given:
         given["method"] = get_method(method).tree_method

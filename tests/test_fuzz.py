@@ -36,6 +36,7 @@ from presto_pb.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from presto_sd.engine.calls import CloseIdle
 from presto_sd.engine.messages import AlreadyExistsError, InvalidArgumentError, LimitExceededError
 from presto_sd.loop.faults import FaultPolicy
 from presto_sd.loop.generate import GenerationParams, generate
@@ -271,7 +272,7 @@ def _after_the_fuzz(tiny_target, stack) -> None:
         time.sleep(0.1)
     assert not orch.requests
     for kind in ("verifier", "drafter"):
-        rpc_util.run(stack[kind].server.servicer.run(None, "close_idle", 0.0))
+        rpc_util.run(stack[kind].server.servicer.run(None, CloseIdle(0.0)))
     ar = hf_greedy(tiny_target, PROMPT, 16)
     assert [t for c in stack["client"].generate(PROMPT, max_new_tokens=16) for t in c.tokens] == ar
     remote_v, remote_d = RemoteVerifier(stack["verifier"].address), RemoteDrafter(stack["drafter"].address)

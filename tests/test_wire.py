@@ -145,3 +145,17 @@ def test_a_taps_draft_carries_its_raw_acceptance_over_the_wire():
     assert back.node_log_acceptance == r.node_log_acceptance and back.path_scores == r.path_scores
     old = dwire.draft_result_to_pb(replace(r, node_log_acceptance=()), want_marginals=False)
     assert dwire.draft_result_from_pb(old).node_log_acceptance == ()  # other methods, older drafters
+
+
+def test_a_requests_tree_sets_configuration_not_a_rounds_measurements():
+    """The fuzz found it: a GenerateRequest whose tree sets ``draft_s`` (a round's field on
+    the shared wire message) crashed the job's conversion; it is not the request's to set."""
+    from orchestrator import service
+    from presto_pb.v1 import orchestrator_pb2
+    from presto_sd.loop.generate import GenerationParams
+
+    defaults = service.ServiceDefaults(GenerationParams(method="marginal", tree=TreeParams("marginal")), "m")
+    tree = pb.TreeParams(budget=9, draft_s=0.5, cost=pb.CostFit(intercept_s=0.01))
+    msg = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=[1, 2]), tree=tree)
+    job = service.job_from_pb(msg, defaults, None)
+    assert job.params.tree.budget == 9 and job.params.tree.method == "marginal"
