@@ -211,3 +211,28 @@ def test_trees_that_fill_the_forward_leave_room_for_the_oldest_prompt(tiny_targe
     assert late.status.value == "running" and late.waited_steps == 0
     _run(engine, [*seqs, late])
     assert _tokens(late) == hf_greedy(tiny_target, [2, 7, 1], 8)
+
+
+def test_a_sequence_that_fails_in_its_draft_is_reported_by_the_step(tiny_target):
+    """A refusal that is not a fault (here the drafter refuses the session's prefill) ends
+    that sequence with its error, in the step's answer, so a server hands it on; the other
+    sequence goes on."""
+    verifier, inner = make_engines(tiny_target)
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def prefill(self, session_id, delta, restart=False):
+            if session_id == "bad":
+                raise InvalidArgumentError("refused")
+            return inner.prefill(session_id, delta, restart)
+
+    engine = StepEngine(verifier, Refusing())
+    bad = engine.add(PROMPTS[0], _params("marginal", 8), seq_id="bad")
+    good = engine.add(PROMPTS[1], _params("marginal", 8), seq_id="good")
+    reported = []
+    while engine.has_unfinished():
+        reported += engine.step()
+    assert bad in reported and isinstance(bad.error, InvalidArgumentError)
+    assert good.error is None and _tokens(good) == hf_greedy(tiny_target, PROMPTS[1], 8)

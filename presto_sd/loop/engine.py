@@ -119,7 +119,7 @@ class StepEngine:
             self._guarded(seq, self._prefilled, seq, answer, t2)
         for r, answer in zip(rounds, answers[len(plan.prefills):]):
             self._guarded(r.seq, self._verified, r, answer, t1 - t0 if r.call else 0.0, t2 - t1, t2)
-        return list(dict.fromkeys([*touched, *plan.prefills, *(r.seq for r in rounds)]))
+        return list(dict.fromkeys([*touched, *plan.prefills, *plan.decodes]))  # a failed draft too
 
     def _decide(self, seq: Sequence, now: float) -> None:
         """The sequence's next round: a tree or an AR step, and the rows it may take. Made
