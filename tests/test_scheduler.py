@@ -231,8 +231,10 @@ def test_a_sequence_that_fails_in_its_draft_is_reported_by_the_step(tiny_target)
     engine = StepEngine(verifier, Refusing())
     bad = engine.add(PROMPTS[0], _params("marginal", 8), seq_id="bad")
     good = engine.add(PROMPTS[1], _params("marginal", 8), seq_id="good")
-    reported = []
+    failed_in = None
     while engine.has_unfinished():
-        reported += engine.step()
-    assert bad in reported and isinstance(bad.error, InvalidArgumentError)
+        reported = engine.step()
+        if bad.error is not None and failed_in is None:
+            failed_in = reported  # the step in which it failed must report it
+    assert failed_in is not None and bad in failed_in and isinstance(bad.error, InvalidArgumentError)
     assert good.error is None and _tokens(good) == hf_greedy(tiny_target, PROMPTS[1], 8)
