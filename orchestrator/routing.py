@@ -27,7 +27,7 @@ from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool
 from presto_sd.engine import calls
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
-from presto_sd.engine.messages import EngineError, FeatureDelta, UnavailableError
+from presto_sd.engine.messages import EngineError, FeatureDelta, UnavailableError, copy_error
 from presto_sd.engine.verifier import (
     BatchAnswer,
     BatchCall,
@@ -37,6 +37,7 @@ from presto_sd.engine.verifier import (
     VerifierInfo,
     VerifyCall,
     VerifyResult,
+    call_rows,
 )
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import RoundContext, TreeParams
@@ -113,7 +114,7 @@ class _Pool:
                 outcome = replica.call(batch(tuple(sent)))
             except EngineError as e:  # the replica away: each item sees it
                 for i in indices:
-                    out[i] = _copy(e)
+                    out[i] = copy_error(e)
                 return
             away = next((a for a in outcome.value if isinstance(a, UnavailableError)), None)
             if away is not None:  # a remote engine that did not answer: its sessions re-home
@@ -201,7 +202,7 @@ class PooledVerifier(_Pool, Verifier):
 
     def _on_batch(self, replica: Replica, sent: list, busy_s: float) -> None:
         prompts = sum(1 for c in sent if isinstance(c, PrefillCall))
-        tokens = sum(len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens) for c in sent)
+        tokens = sum(call_rows(c) for c in sent)
         self.metrics.batch(replica.name, len(sent), tokens, busy_s, prompts)
 
     def _count_prefill(self, session_id: str) -> None:
@@ -240,11 +241,3 @@ class PooledDrafter(_Pool, Drafter):
 
     def commit(self, session_id: str, delta: FeatureDelta) -> int:
         return self.single(session_id, calls.Commit(session_id, delta))
-
-
-def _copy(e: EngineError) -> EngineError:
-    """One exception object per item (a shared one would mix their tracebacks)."""
-    try:
-        return type(e)(*e.args)
-    except TypeError:
-        return e

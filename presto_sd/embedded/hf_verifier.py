@@ -44,6 +44,7 @@ from presto_sd.engine.verifier import (
     VerifierLimits,
     VerifyCall,
     VerifyResult,
+    call_rows,
 )
 from presto_sd.method.acceptance import (
     SamplingParams,
@@ -349,7 +350,7 @@ class HFVerifier(Verifier):
                             "this batch"
                         )
                     seen.add(c.session_id)
-                    n = len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens)
+                    n = call_rows(c)
                     if rows and rows + n > MAX_INVARIANT_ROWS:
                         raise LimitExceededError(
                             f"verify_batch.calls[{j}]: {rows + n} rows in one forward would pass the "

@@ -96,6 +96,15 @@ def answer_of(error: EngineError) -> EngineError:
     return error.with_traceback(None)
 
 
+def copy_error(error: EngineError) -> EngineError:
+    """The same refusal as a new exception object: one per item of a batch that failed as a
+    whole (a shared one would mix the tracebacks of everyone who raises it)."""
+    try:
+        return type(error)(*error.args)
+    except TypeError:
+        return error
+
+
 def session_tag(session_id: str) -> str:
     """How logs and error messages name a session: a short hash of its id, never the id
     (whoever knows an id may act on that session, within its principal)."""

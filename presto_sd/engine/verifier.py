@@ -92,6 +92,11 @@ BatchCall = VerifyCall | PrefillCall
 BatchAnswer = VerifyResult | PrefillResult | EngineError
 
 
+def call_rows(call: BatchCall) -> int:
+    """Rows a batch item adds to the one verifier forward: a prompt's tokens, a tree's nodes."""
+    return len(call.token_ids) if isinstance(call, PrefillCall) else len(call.tree.tokens)
+
+
 class Verifier(ABC):
     @abstractmethod
     def info(self) -> VerifierInfo: ...

@@ -22,9 +22,17 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
+from presto_sd.engine.calls import Prefill
 from presto_sd.engine.drafter import DraftCall, Drafter, DraftResult
-from presto_sd.engine.messages import AlreadyExistsError, EngineError, LimitExceededError
-from presto_sd.engine.verifier import PrefillCall, PrefillResult, Verifier, VerifyCall, VerifyResult
+from presto_sd.engine.messages import AlreadyExistsError, EngineError, LimitExceededError, copy_error
+from presto_sd.engine.verifier import (
+    PrefillCall,
+    PrefillResult,
+    Verifier,
+    VerifyCall,
+    VerifyResult,
+    call_rows,
+)
 from presto_sd.loop.faults import DRAFTER_AWAY
 from presto_sd.loop.scheduler import Scheduler, SchedulerConfig, StepPlan
 from presto_sd.loop.sequence import GenerationParams, RoundStats, Sequence, Status, TokenChunk
@@ -181,7 +189,7 @@ class StepEngine:
             return []
         t0 = self.clock()
         answers = _each(self.verifier.verify_batch, calls)
-        rows = sum(len(c.token_ids) if isinstance(c, PrefillCall) else len(c.tree.tokens) for c in calls)
+        rows = sum(call_rows(c) for c in calls)
         self.cost_curve.observe(rows, self.clock() - t0)
         self.last_rows, self.last_calls = rows, len(calls)
         return answers
@@ -200,9 +208,8 @@ class StepEngine:
         return None if fit is None else SharedForward(fit, float(others))
 
     def _long_prefill(self, seq: Sequence, now: float) -> None:
-        c = seq.verifier.prefill_call(seq.seq_id)
         try:
-            answer = self.verifier.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart)
+            answer = Prefill(seq.verifier.prefill_call(seq.seq_id)).run(self.verifier)
         except EngineError as e:
             answer = e
         self._guarded(seq, self._prefilled, seq, answer, self.clock())
@@ -304,14 +311,7 @@ def _each(batch_call: Callable[[list], list], calls: list) -> list:
     try:
         return batch_call(calls)
     except EngineError as e:  # one exception object per sequence: a shared one would mix tracebacks
-        return [_copy(e) for _ in calls]
-
-
-def _copy(e: EngineError) -> EngineError:
-    try:
-        return type(e)(*e.args)
-    except TypeError:
-        return e
+        return [copy_error(e) for _ in calls]
 
 
 def _close_quietly(engine: Drafter | Verifier, sid: str) -> None:
