@@ -306,6 +306,10 @@ async def _guard(method: str, principal: str | None, context: grpc.aio.ServicerC
     """One call's auth and principal, exception -> status, and its JSON log line (``quiet``: none)."""
     t0, code, message = time.perf_counter(), grpc.StatusCode.OK, ""
     record = _CallRecord()
+    # read while the call is live: after a cancel the peer string may be freed with the
+    # transport, and reading it then crashed the process (grpc/grpc#29069, a SIGSEGV seen
+    # here on a cancelled Generate stream)
+    peer = "" if quiet else context.peer()
     bound = _PRINCIPAL.set(principal or ANONYMOUS)
     try:
         if principal is None:
@@ -328,7 +332,7 @@ async def _guard(method: str, principal: str | None, context: grpc.aio.ServicerC
                 "event": "call", "method": method, "code": code.name,
                 "ms": round(1e3 * (time.perf_counter() - t0), 2), "principal": principal,
                 "session": session_tag(f"{principal or ANONYMOUS}/{sid}") if sid else "",
-                "peer": context.peer(), "bytes_in": len(raw.data) if raw is not None else 0,
+                "peer": peer, "bytes_in": len(raw.data) if raw is not None else 0,
                 "bytes_out": record.bytes_out, **({"error": message} if message else {}),
             }))
         with contextlib.suppress(ValueError):  # a stream's generator may end in another context
