@@ -144,6 +144,29 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
         assert res.token_ids == ar.token_ids, method
 
 
+def test_warm_start_with_a_new_token_map(tiny_target_dir, tmp_path):
+    """``revocab`` keeps a drafter's weights and gives it a new map of the training data's
+    most frequent tokens (the head is the target's rows); ``bf16`` autocast trains too."""
+    data = generate_training_data(GenDataConfig(
+        out=str(tmp_path / "data"), target=str(tiny_target_dir), target_layer_ids=(0, 1),
+        sources="arith", n_arith=8, max_new_tokens=16, batch_size=4))
+    common = dict(data=str(data), target=str(tiny_target_dir), num_layers=1, block_size=4,
+                  anchors_per_seq=4, batch_seqs=4, warmup=1, heldout_seqs=1)
+    base = train_drafter(TrainConfig(out=str(tmp_path / "base"), draft_vocab=64, steps=30,
+                                     lr=3e-3, log_every=5, ckpt_every=30, bf16=True, **common))
+    log = [json.loads(line) for line in (tmp_path / "base" / "train_log.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in log[-2:]) / 2 < log[0]["loss"]
+    # lr 0: the step changes nothing, so what comes out is the warm start itself
+    remapped = train_drafter(TrainConfig(out=str(tmp_path / "remap"), draft_vocab=32, steps=1, lr=0.0,
+                                         ckpt_every=1, init_drafter=str(base), revocab=True, **common))
+    before, after = DFlashDraftModel.load(base), DFlashDraftModel.load(remapped)
+    assert len(before.d2t) == 64 and len(after.d2t) == 32 and after.config.draft_vocab_size == 32
+    assert set(after.d2t.tolist()) <= set(before.d2t.tolist())  # the 32 most frequent of the same data
+    assert all(torch.equal(v, after.state_dict()[k]) for k, v in before.state_dict().items())
+    with pytest.raises(ValueError, match="revocab"):  # nothing to re-map
+        train_drafter(TrainConfig(out=str(tmp_path / "none"), revocab=True, steps=1, **common))
+
+
 def test_shipped_drafter_matches_the_target(smollm2_dir):
     if not (DEFAULT_DRAFTER / "config.json").exists():
         pytest.skip("no drafter shipped yet")

@@ -61,10 +61,17 @@ class TrainConfig:
     # with prefix_only, train just a new prefix head on top of it, the drafter frozen
     init_drafter: str = ""
     prefix_only: bool = False
+    # with init_drafter: a new token map of the draft_vocab most frequent training tokens
+    # instead of the drafter's own (its weights do not depend on the map: the head is the
+    # target's rows); refused for a drafter with a prefix head, whose rows are the map's
+    revocab: bool = False
     # weight of the soft-label CE against the target's top-k distribution (restricted to the
     # draft vocabulary, renormalised) beside the hard CE: loss = (1 - w) hard + w soft.
     # Needs shards with soft labels (``train features``); 0 = hard labels only (DFlash).
     soft_weight: float = 0.0
+    # run the forward's matmuls in bf16 (torch autocast; weights and optimizer stay fp32):
+    # ~2x a step where the CPU has AVX512-BF16/AMX (or on a GPU), slower elsewhere
+    bf16: bool = False
 
 
 def sequence_key(s: Sequence) -> str:
@@ -176,8 +183,10 @@ def block_loss(model, head, embed, batch, cfg: TrainConfig):
     L = cfg.block_size
     ctx_kv = model.context_kv(feats, ctx_pos)
     hidden = model(embed[block_ids], block_pos, ctx_kv, mask)
-    hidden = hidden.view(B, mL // L, L, -1)[:, :, 1:]  # predictions for slots 1..L-1
-    logits = hidden @ head.T  # [B, m, L-1, Vd]
+    # predictions for slots 1..L-1; contiguous, or the matmul takes a strided batched path
+    # that is ~6x slower on a CPU in fp32
+    hidden = hidden.view(B, mL // L, L, -1)[:, :, 1:].contiguous()
+    logits = F.linear(hidden, head)  # [B, m, L-1, Vd]
     weights = torch.exp(-torch.arange(L - 1, dtype=torch.float32) / cfg.gamma)
     valid = (labels >= 0).float()
 
@@ -250,18 +259,21 @@ def train_drafter(cfg: TrainConfig) -> Path:
         cfg = replace(cfg, block_size=base.config.block_size, num_layers=base.config.num_hidden_layers)
     if cfg.prefix_only and (base is None or not cfg.prefix_rank):
         raise ValueError("prefix_only trains a new prefix head on --init-drafter: give it and --prefix-rank")
+    if cfg.revocab and (base is None or base.prefix_head is not None):
+        raise ValueError("revocab re-maps an --init-drafter without a prefix head")
     if state is not None:
         d2t = state["d2t"]
-    elif base is not None:
+    elif base is not None and not cfg.revocab:
         d2t = base.d2t if base.d2t is not None else torch.arange(vocab_size)
-    elif cfg.draft_vocab:
+    elif cfg.draft_vocab and cfg.draft_vocab < vocab_size:
         d2t = build_draft_vocab(train, cfg.draft_vocab, vocab_size, eos)
     else:
         d2t = torch.arange(vocab_size)
     vocab = DraftVocab(d2t, vocab_size)
     if base is not None:  # its architecture, plus the head asked for
         rank = cfg.prefix_rank or base.config.prefix_head_rank
-        model = DFlashDraftModel(replace(base.config, prefix_head_rank=rank))
+        reduced = len(d2t) if len(d2t) < vocab_size else None
+        model = DFlashDraftModel(replace(base.config, prefix_head_rank=rank, draft_vocab_size=reduced))
         # a --prefix-rank asks for a new head: the base's own (if any) is not carried over
         kept = {k: v for k, v in base.state_dict().items()
                 if not (cfg.prefix_rank and k.startswith("prefix_head."))}
@@ -304,7 +316,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
             g["lr"] = lr
         batch = tuple(x.to(dev) for x in make_batch(rng.sample(train, cfg.batch_seqs), cfg, vocab.t2d, rng))
         model.train()
-        loss, pred, tids, pred_cond, parts = block_loss(model, head, embed, batch, cfg)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss, pred, tids, pred_cond, parts = block_loss(model, head, embed, batch, cfg)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -332,7 +345,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
     model.eval()
     with torch.no_grad():
         hb = tuple(x.to(dev) for x in make_batch(heldout, cfg, vocab.t2d, random.Random(1)))
-        hl, hp, ht, hc, _ = block_loss(model, head, embed, hb, cfg)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            hl, hp, ht, hc, _ = block_loss(model, head, embed, hb, cfg)
         hp, ht, hc = hp.cpu(), ht.cpu(), hc.cpu() if hc is not None else None
     heldout_acc = _position_accuracy(d2t[hp.clamp_min(0)], ht)
     report = {"heldout_loss": round(hl.item(), 4), "heldout_acc": heldout_acc,
