@@ -44,16 +44,16 @@ class RemoteDrafter(Drafter):
                                                     restart=restart)
         return self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s).base
 
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
               context: RoundContext = RoundContext()) -> DraftResult:
-        request = wire.draft_request_to_pb(DraftCall(session_id, anchor, base, params, context=context),
-                                           self.want_marginals)
+        call = DraftCall(session_id, anchor, base, method, params, context=context)
+        request = wire.draft_request_to_pb(call, self.want_marginals)
         return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
 
-    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int, method: str,
                          params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
         """One ``Draft`` call carrying the commit: one round trip for both."""
-        call = DraftCall(session_id, anchor, base, params, commit=delta, context=context)
+        call = DraftCall(session_id, anchor, base, method, params, commit=delta, context=context)
         request = wire.draft_request_to_pb(call, self.want_marginals)
         return wire.draft_result_from_pb(self.rpc.call(self.stub.Draft, request, self.timeout_s))
 

@@ -10,6 +10,7 @@ from presto_pb.v1 import common_pb2
 from presto_pb.v1 import drafter_pb2 as pb
 from presto_sd.engine.drafter import DraftCall, DrafterInfo, DraftResult
 from presto_sd.engine.messages import EngineError, UnavailableError
+from presto_sd.method.methods import DEFAULT_METHOD
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.models.assets import DrafterDefaults
 from presto_sd.rpc.wire import (
@@ -74,14 +75,16 @@ def draft_result_from_pb(msg: pb.DraftResponse) -> DraftResult:
 
 def draft_request_to_pb(c: DraftCall, want_marginals: bool) -> pb.DraftRequest:
     return pb.DraftRequest(session=session_ref_to_pb(c.session_id, c.base), anchor=c.anchor,
-                           params=tree_params_to_pb(c.params, c.context), want_marginals=want_marginals,
+                           params=tree_params_to_pb(c.params, c.context, c.method),
+                           want_marginals=want_marginals,
                            commit=None if c.commit is None else delta_to_pb(c.commit))
 
 
 def draft_call_from_pb(msg: pb.DraftRequest) -> DraftCall:
     sid, base = session_ref_from_pb(msg.session)
     commit = delta_from_pb(msg.commit) if msg.HasField("commit") else None
-    return DraftCall(sid, msg.anchor, base, tree_params_from_pb(msg.params), commit,
+    method = msg.params.method if msg.params.HasField("method") else DEFAULT_METHOD
+    return DraftCall(sid, msg.anchor, base, method, tree_params_from_pb(msg.params), commit,
                      round_context_from_pb(msg.params))
 
 

@@ -228,9 +228,9 @@ class PooledDrafter(_Pool, Drafter):
         return self.single(session_id, calls.DrafterPrefill(session_id, delta, restart),
                            timeout_s=replica.timeouts.prefill_s)
 
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
               context: RoundContext = RoundContext()) -> DraftResult:
-        answer = self.draft_batch([DraftCall(session_id, anchor, base, params, context=context)])[0]
+        answer = self.draft_batch([DraftCall(session_id, anchor, base, method, params, context=context)])[0]
         if isinstance(answer, BaseException):
             raise answer
         return answer

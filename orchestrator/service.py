@@ -122,8 +122,9 @@ def job_from_pb(msg: pb.GenerateRequest, defaults: ServiceDefaults, tokenizer,
     # step engine's to fill, so those fields of the message are not the request's to set
     given = {k: getattr(tree, k) for k in _given(msg.tree) if k in _TREE_FIELDS}
     given["rho"], given["lambdas"] = defaults.tree_settings(method, given.get("rho"), given.get("lambdas"))
-    if "method" not in given:
-        given["method"] = get_method(method).tree_method
+    if msg.tree.HasField("method") and msg.tree.method != method:  # one method: the request's
+        raise InvalidArgumentError(f"tree.method = {msg.tree.method!r}: a request names its method in "
+                                   f"`method` ({method!r}); leave tree.method unset")
     try:  # the dataclasses validate the combination and name the field
         params = replace(
             d, method=method,
@@ -188,7 +189,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer, En
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         orch: Orchestrator = self.ready()
         job = await self.job(request)
-        tree = tree_params_to_pb(job.params.tree)  # told once, with the first chunk
+        tree = tree_params_to_pb(job.params.tree, method=job.params.method)  # told once, with the first chunk
         async for chunk in orch.astream(job):
             yield chunk_to_pb(chunk, job.request_id, tree)
             tree = None

@@ -149,7 +149,7 @@ def main() -> None:
         rows = []
         for method in args.method:
             m = get_method(method)
-            params = GenerationParams(method, TreeParams(m.tree_method, args.budget), args.max_new_tokens)
+            params = GenerationParams(method, TreeParams(args.budget), args.max_new_tokens)
             pairs = []  # (embedded run, gRPC run) of the same request, back to back
             for _, _, lines in servers.values():
                 server_ms(lines)

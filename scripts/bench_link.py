@@ -204,7 +204,7 @@ def bench(args: argparse.Namespace, links, delay: str) -> None:
         def params(spec: str) -> GenerationParams:
             method, _, budget = spec.partition("@")
             rho, lambdas = tree_settings(method, None, None, dinfo)
-            tree = TreeParams(get_method(method).tree_method, int(budget or 16), rho=rho, lambdas=lambdas)
+            tree = TreeParams(int(budget or 16), rho=rho, lambdas=lambdas)
             return GenerationParams(method, tree, args.max_new_tokens, stop_token_ids=eos)
 
         methods = args.methods.split(",")

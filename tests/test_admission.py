@@ -322,7 +322,7 @@ def test_a_chunked_prefill_equals_an_unchunked_one_and_stays_lossless(tiny_targe
     for layer in range(len(ka.keys)):
         for x, y in zip(ka.committed(layer), kb.committed(layer)):
             assert torch.allclose(x, y, atol=1e-5)
-    params = GenerationParams("presto-beam", TreeParams("presto-beam", budget=8), max_new_tokens=24)
+    params = GenerationParams("presto-beam", TreeParams(budget=8), max_new_tokens=24)
     res = generate(*chunked, prompt, params)
     assert res.token_ids == hf_greedy(tiny_target, prompt, 24) == generate(*whole, prompt, params).token_ids
 
@@ -384,7 +384,7 @@ def test_smollm2_a_long_prompt_chunked_equals_ar():
     with torch.no_grad():
         ref = stack.verifier.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
     ref = ref[0, len(prompt):].tolist()
-    params = GenerationParams("presto-beam", TreeParams("presto-beam", budget=16), max_new_tokens=24,
+    params = GenerationParams("presto-beam", TreeParams(budget=16), max_new_tokens=24,
                               stop_token_ids=stack.verifier.eos_token_ids)
     for chunk in (512, 4096):
         stack.verifier.prefill_chunk = chunk

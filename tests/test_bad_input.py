@@ -127,7 +127,7 @@ def test_tiny_sampling_values_over_grpc(tiny_target, servers):
     remote_v = RemoteVerifier(servers["verifier"].address)
     remote_d = RemoteDrafter(servers["drafter"].address)
     local_v, local_d = make_engines(tiny_target)
-    params = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=8, depth=6),
+    params = GenerationParams(method="marginal", tree=TreeParams(budget=8, depth=6),
                               max_new_tokens=12, sampling=SamplingParams(temperature=1e-300, seed=3))
     ar = hf_greedy(tiny_target, PROMPT, 12)
     assert generate(remote_v, remote_d, PROMPT, params).token_ids == ar

@@ -63,7 +63,7 @@ def node_paths(tree: TokenTree) -> set[tuple[int, ...]]:
 
 def test_linear_is_top1_chain():
     m = random_marginals(6, 4)
-    b = build_linear_tree(7, m, TreeParams(method="linear", budget=10, depth=5))
+    b = build_linear_tree(7, m, TreeParams(budget=10, depth=5))
     assert b.tree.tokens == (7, *m.token_ids[:5, 0].tolist())
     assert b.tree.parents == (-1, 0, 1, 2, 3, 4)
 
@@ -71,7 +71,7 @@ def test_linear_is_top1_chain():
 @pytest.mark.parametrize("budget,depth", [(1, 1), (5, 3), (12, 3), (20, 4)])
 def test_marginal_tree_is_exact_top_b(budget, depth):
     m = random_marginals(depth, 3, seed=budget)
-    b = build_marginal_tree(0, m, TreeParams(method="marginal", budget=budget, depth=depth))
+    b = build_marginal_tree(0, m, TreeParams(budget=budget, depth=depth))
     assert_well_formed(b.tree, budget, depth)
     assert node_paths(b.tree) == brute_force_top_b(m, budget, depth)
 
@@ -137,9 +137,9 @@ def test_rho_reorders_paths():
 def test_unknown_method_and_missing_rho():
     m = random_marginals(3, 3)
     with pytest.raises(ValueError, match="unknown"):
-        build_tree(0, ctx_for(m), TreeParams(method="nope"))
+        build_tree("nope", 0, ctx_for(m), TreeParams())
     with pytest.raises(ValueError, match="rho"):
-        build_tree(0, ctx_for(m), TreeParams(method="presto-beam"))
+        build_tree("presto-beam", 0, ctx_for(m), TreeParams())
 
 
 @settings(max_examples=60, deadline=None)
@@ -155,9 +155,9 @@ def test_unknown_method_and_missing_rho():
 )
 def test_builders_properties(method, budget, depth, k, branching, beam, lam, seed):
     m = random_marginals(15, k, seed=seed)
-    params = TreeParams(method=method, budget=budget, depth=depth, branching=branching, beam=beam,
+    params = TreeParams(budget=budget, depth=depth, branching=branching, beam=beam,
                         lambdas=(lam,))
-    built = build_tree(3, ctx_for(m), params, NGramRho())
+    built = build_tree(method, 3, ctx_for(m), params, NGramRho())
     assert_well_formed(built.tree, budget, depth)
     assert built.tree.tokens[0] == 3
     # scores never grow along a path (what makes best-first exact and top-B prefix-closed)

@@ -47,10 +47,12 @@ def test_each_call_runs_the_method_it_names():
         (calls.VerifyBatch((VerifyCall("s", 4, TREE),)), ("verify_batch", (VerifyCall("s", 4, TREE),))),
         (calls.DrafterPrefill("s", DELTA, True), ("prefill", "s", DELTA, True)),
         (calls.Commit("s", DELTA), ("commit", "s", DELTA)),
-        (calls.Draft(DraftCall("s", 7, 4, PARAMS, context=MEASURED)), ("draft", "s", 7, 4, PARAMS, MEASURED)),
-        (calls.Draft(DraftCall("s", 7, 5, PARAMS, commit=DELTA, context=MEASURED)),
-         ("commit_and_draft", "s", DELTA, 7, 5, PARAMS, MEASURED)),
-        (calls.DraftBatch((DraftCall("s", 7, 4, PARAMS),)), ("draft_batch", (DraftCall("s", 7, 4, PARAMS),))),
+        (calls.Draft(DraftCall("s", 7, 4, "taps", PARAMS, context=MEASURED)),
+         ("draft", "s", 7, 4, "taps", PARAMS, MEASURED)),
+        (calls.Draft(DraftCall("s", 7, 5, "taps", PARAMS, commit=DELTA, context=MEASURED)),
+         ("commit_and_draft", "s", DELTA, 7, 5, "taps", PARAMS, MEASURED)),
+        (calls.DraftBatch((DraftCall("s", 7, 4, "linear", PARAMS),)),
+         ("draft_batch", (DraftCall("s", 7, 4, "linear", PARAMS),))),
         (calls.Apply(str.upper), None),
     ]
     for call, want in cases:

@@ -214,7 +214,7 @@ def test_a_published_checkpoint_loads_and_drafts_as_the_reference(tmp_path, targ
 
     check(prompt, pre.anchor)
     # a round later: the context cache grew by the verified round's features, at their positions
-    d = drafter.draft("s", pre.anchor, pre.base, drafter_tree_params())
+    d = drafter.draft("s", pre.anchor, pre.base, "marginal", drafter_tree_params())
     res = verifier.verify("s", pre.base, d.tree)
     drafter.commit("s", res.delta)
     check(prompt + [pre.anchor, *res.accepted], res.bonus)
@@ -223,7 +223,7 @@ def test_a_published_checkpoint_loads_and_drafts_as_the_reference(tmp_path, targ
 def drafter_tree_params():
     from presto_sd.method.builders import TreeParams
 
-    return TreeParams(method="marginal", budget=8, depth=BLOCK - 1)
+    return TreeParams(budget=8, depth=BLOCK - 1)
 
 
 def test_the_published_weight_names_are_exactly_the_models(tmp_path):

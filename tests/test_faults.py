@@ -51,7 +51,7 @@ def _prefills(verifier: Flaky) -> list[PrefillCall]:
 
 
 def _params(n: int, **kw) -> GenerationParams:
-    return GenerationParams(method="marginal", tree=TreeParams("marginal", budget=16, depth=8),
+    return GenerationParams(method="marginal", tree=TreeParams(budget=16, depth=8),
                             max_new_tokens=n, faults=NOW, **kw)
 
 

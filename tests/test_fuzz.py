@@ -50,7 +50,7 @@ from tests.fuzz_util import Tally, mutate, mutate_bytes, send
 from verifier_service.remote import RemoteVerifier
 
 FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=2.0, verifier_retry_s=0.05)
-DEFAULTS = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=16, depth=8),
+DEFAULTS = GenerationParams(method="marginal", tree=TreeParams(budget=16, depth=8),
                             max_new_tokens=16, faults=FAST)
 PROMPT = [0, 3, 5, 7]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -276,7 +276,7 @@ def _after_the_fuzz(tiny_target, stack) -> None:
     ar = hf_greedy(tiny_target, PROMPT, 16)
     assert [t for c in stack["client"].generate(PROMPT, max_new_tokens=16) for t in c.tokens] == ar
     remote_v, remote_d = RemoteVerifier(stack["verifier"].address), RemoteDrafter(stack["drafter"].address)
-    params = GenerationParams(method="presto-beam", tree=TreeParams("presto-beam", budget=16, depth=8),
+    params = GenerationParams(method="presto-beam", tree=TreeParams(budget=16, depth=8),
                               max_new_tokens=16)
     assert generate(remote_v, remote_d, PROMPT, params).token_ids == ar
     remote_v.shutdown()

@@ -166,7 +166,7 @@ def test_deadline_exceeded_is_reported_not_hung_and_not_run_late(tiny_target):
         remote.prefill("d", FeatureDelta(0, (1, 2), torch.zeros(2, width)))
         slow.gate.clear()  # the engine's next draft does not finish until the test says so
         with pytest.raises(DrafterUnavailableError, match="DEADLINE_EXCEEDED"):
-            remote.draft("d", 3, 2, TreeParams("linear"))
+            remote.draft("d", 3, 2, "linear", TreeParams())
         assert slow.in_flight == 1  # reported at the deadline, while the engine is still busy
         # a commit queued behind the slow draft misses its deadline: it must not run later
         remote.timeout_s = 0.2
@@ -229,7 +229,7 @@ def _servers(target, drafter_engine=None) -> tuple[LocalServer, LocalServer]:
 
 
 def _params(n: int) -> GenerationParams:
-    return GenerationParams(method="marginal", tree=TreeParams("marginal", budget=16, depth=8),
+    return GenerationParams(method="marginal", tree=TreeParams(budget=16, depth=8),
                             max_new_tokens=n, faults=FAST_RETRY)
 
 

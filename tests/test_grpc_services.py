@@ -37,7 +37,7 @@ def stack(tiny_target):
 
 
 def _params(method: str, n: int, **tree) -> GenerationParams:
-    return GenerationParams(method=method, tree=TreeParams(method=method, **tree), max_new_tokens=n)
+    return GenerationParams(method=method, tree=TreeParams(**tree), max_new_tokens=n)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -77,7 +77,7 @@ def test_taps_without_a_cost_model_is_invalid_argument(stack):
     remote_d.prefill("no-cost", pre.delta)
     try:
         with pytest.raises(InvalidArgumentError, match="cost model"):
-            remote_d.draft("no-cost", pre.anchor, pre.base, TreeParams(method="taps"))
+            remote_d.draft("no-cost", pre.anchor, pre.base, "taps", TreeParams())
     finally:
         remote_v.close("no-cost")
         remote_d.close("no-cost")
@@ -363,24 +363,24 @@ def test_a_round_commits_and_drafts_in_one_call(tiny_target, stack):
     _, drafter, remote_v, remote_d, _, _ = stack
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     prompt, step = torch.randn(3, width), torch.randn(2, width)
-    params = TreeParams("presto-beam", budget=8, depth=4)
+    params = TreeParams(budget=8, depth=4)
     for sid in ("one-call", "two-calls"):
         remote_d.prefill(sid, FeatureDelta(0, (1, 2, 3), prompt))
     calls = remote_d.rpc.stats.calls
-    one = remote_d.commit_and_draft("one-call", FeatureDelta(3, (4, 5), step), 6, 5, params)
+    one = remote_d.commit_and_draft("one-call", FeatureDelta(3, (4, 5), step), 6, 5, "presto-beam", params)
     assert remote_d.rpc.stats.calls == calls + 1
     remote_d.commit("two-calls", FeatureDelta(3, (4, 5), step))
-    two = remote_d.draft("two-calls", 6, 5, params)
+    two = remote_d.draft("two-calls", 6, 5, "presto-beam", params)
     assert one.tree == two.tree and one.path_scores == pytest.approx(two.path_scores)
     session = drafter.sessions["anonymous/one-call"]
     assert session.base == 5
-    over_limit = TreeParams("presto-beam", budget=10_000)
+    over_limit = TreeParams(budget=10_000)
     refused = [(FeatureDelta(5, (6,), step[:1]), 6, over_limit),  # over the drafter's budget limit
                (FeatureDelta(4, (6,), step[:1]), 5, params),  # stale: the session is at 5
                (FeatureDelta(5, (6,), step[:1]), 9, params)]  # base is not the commit's end
     for delta, base, p in refused:
         with pytest.raises(EngineError):
-            remote_d.commit_and_draft("one-call", delta, 7, base, p)
+            remote_d.commit_and_draft("one-call", delta, 7, base, "presto-beam", p)
         assert session.base == 5 and len(session.tokens) == 5  # nothing applied
     # the loop over gRPC sends its deltas this way: Commit is never called
     res = generate(remote_v, remote_d, PROMPTS[0], _params("presto-beam", 16, budget=8, depth=4))

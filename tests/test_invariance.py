@@ -277,7 +277,7 @@ def test_smollm2_every_method_is_bitwise_the_engines_ar(dtype):
         prompt = encode_prompt(stack.tokenizer, text, chat=True)
 
         def run(method: str, budget: int, prompt: list[int] = prompt) -> list[int]:
-            tree = TreeParams(method="linear" if method == "ar" else method, budget=budget)
+            tree = TreeParams(budget=budget)
             params = GenerationParams(method=method, tree=tree,
                                       max_new_tokens=48, stop_token_ids=stack.verifier.eos_token_ids)
             return generate(stack.verifier, stack.drafter, prompt, params).token_ids

@@ -17,7 +17,7 @@ PROMPTS = [[0, 3, 5, 7], [0, 1, 1, 2, 3, 5, 8, 13], [0, 9]]
 
 
 def run(verifier, drafter, prompt, method, n, **tree):
-    params = GenerationParams(method=method, tree=TreeParams(method=method, **tree), max_new_tokens=n)
+    params = GenerationParams(method=method, tree=TreeParams(**tree), max_new_tokens=n)
     return generate(verifier, drafter, prompt, params)
 
 
@@ -89,7 +89,7 @@ class OracleDrafter(Drafter):
     def close(self, session_id):
         self.tokens.pop(session_id)
 
-    def draft(self, session_id, anchor, base, params, context=None):
+    def draft(self, session_id, anchor, base, method, params, context=None):
         ctx = self.tokens[session_id] + [anchor]
         truth = hf_greedy(self.target, ctx, params.depth)
         keep = int(torch.randint(1, params.depth + 1, (1,), generator=self.g))
@@ -121,7 +121,7 @@ def test_eos_inside_an_accepted_path_ends_the_output(tiny_target):
     ref = hf_greedy(tiny_target, PROMPTS[0], 30)
     eos = ref[12]
     cut = ref.index(eos) + 1
-    params = GenerationParams(method="linear", tree=TreeParams(method="linear", depth=10),
+    params = GenerationParams(method="linear", tree=TreeParams(depth=10),
                               max_new_tokens=30, stop_token_ids=(eos,))
     res = generate(verifier, OracleDrafter(tiny_target), PROMPTS[0], params)
     assert res.token_ids == ref[:cut] and res.finish_reason == "eos"
@@ -135,7 +135,7 @@ def test_stop_strings(tiny_target):
         return " ".join(map(str, ids))
 
     stop = f"{ref[5]} {ref[6]}"
-    params = GenerationParams(method="marginal", tree=TreeParams(method="marginal", budget=16),
+    params = GenerationParams(method="marginal", tree=TreeParams(budget=16),
                               max_new_tokens=20, stop_strings=(stop,))
     res = generate(verifier, drafter, PROMPTS[0], params, detokenize=detok)
     assert res.finish_reason == "stop"
@@ -158,7 +158,7 @@ def test_smollm2_greedy_equals_ar():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):]
         ref = ref.tolist()
         for method in ["ar", *METHODS]:
-            params = GenerationParams(method=method, tree=TreeParams(method="linear", budget=16),
+            params = GenerationParams(method=method, tree=TreeParams(budget=16),
                                       max_new_tokens=32, stop_token_ids=stack.verifier.eos_token_ids)
             res = generate(stack.verifier, stack.drafter, prompt, params)
             assert res.token_ids == ref, method

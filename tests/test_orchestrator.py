@@ -45,7 +45,7 @@ from tests.conftest import hf_greedy
 from tests.orchestrator_util import tiny_spec
 
 FAST = FaultPolicy(drafter_retry_s=0.05, drafter_retry_max_s=0.2, verifier_wait_s=2.0, verifier_retry_s=0.05)
-DEFAULTS = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=16, depth=8),
+DEFAULTS = GenerationParams(method="marginal", tree=TreeParams(budget=16, depth=8),
                             max_new_tokens=16, faults=FAST)
 METHODS = ["ar", "linear", "marginal", "presto-beam", "presto-best-first", "taps"]
 DASHBOARD = Path(__file__).resolve().parent.parent / "helm" / "presto-sd" / "dashboards" / "presto-sd.json"

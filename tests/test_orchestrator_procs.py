@@ -216,7 +216,7 @@ def test_killed_servers_mid_stream(tiny_dir, ray_local):
                                   [remote_spec("verifier", addr["verifier", i]) for i in range(2)])
         # remote engines are called from this process (no actor holding a client in between)
         assert all(r.actor is None for r in (*orch.drafters.replicas, *orch.verifiers.replicas))
-        params = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=8, depth=4),
+        params = GenerationParams(method="marginal", tree=TreeParams(budget=8, depth=4),
                                   max_new_tokens=40, stop_token_ids=eos, faults=FAST)
         prompts = [[1, 9690, 198, 100 + 17 * i] for i in range(6)]
         out: dict[int, list[int]] = {}
@@ -382,7 +382,7 @@ def test_a_restarted_drafter_brings_speculation_back(predictable_dir):
         wait_for(lines, "serving")
     verifier = RemoteVerifier(f"127.0.0.1:{port['verifier']}")
     drafter = RemoteDrafter(f"127.0.0.1:{port['drafter']}", timeout_s=5)
-    params = GenerationParams(method="marginal", tree=TreeParams("marginal", budget=8, depth=4),
+    params = GenerationParams(method="marginal", tree=TreeParams(budget=8, depth=4),
                               max_new_tokens=n, faults=FAST)
     tokens, rounds, phase = [], {"up": [], "down": [], "back": []}, "up"
     try:

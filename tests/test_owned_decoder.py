@@ -98,7 +98,7 @@ def test_every_method_is_greedy_ar_on_the_other_families(kind, method):
     model = tiny(kind)
     verifier, drafter = make_engines(model)
     assert verifier.owned is not None
-    params = GenerationParams(method=method, tree=TreeParams(method=method, budget=16, depth=6),
+    params = GenerationParams(method=method, tree=TreeParams(budget=16, depth=6),
                               max_new_tokens=20)
     for prompt in ([0, 3, 5, 7], [0, 9]):
         assert generate(verifier, drafter, prompt, params).token_ids == hf_greedy(model, prompt, 20)

@@ -70,14 +70,14 @@ def test_another_principal_cannot_read_alter_or_close_a_session(tiny_target, own
     caplog.set_level(logging.INFO, logger="presto_sd.rpc")
     pre = av.prefill("sess-secret-id", PROMPT)
     ad.prefill("sess-secret-id", pre.delta)
-    params = TreeParams("marginal", budget=8)
-    alice_draft = ad.draft("sess-secret-id", pre.anchor, pre.base, params).tree
+    params = TreeParams(budget=8)
+    alice_draft = ad.draft("sess-secret-id", pre.anchor, pre.base, "marginal", params).tree
     root, row = TokenTree.root_only(pre.anchor), FeatureDelta(pre.base, (pre.anchor,), pre.delta.features[:1])
     # bob: the id names nothing of his, whatever he does with it
     for call in (lambda: bv.step("sess-secret-id", pre.base, pre.anchor),
                  lambda: bv.verify("sess-secret-id", pre.base, root),
                  lambda: bv.close("sess-secret-id"),
-                 lambda: bd.draft("sess-secret-id", pre.anchor, pre.base, TreeParams("linear", budget=4)),
+                 lambda: bd.draft("sess-secret-id", pre.anchor, pre.base, "linear", TreeParams(budget=4)),
                  lambda: bd.commit("sess-secret-id", row),
                  lambda: bd.close("sess-secret-id")):
         with pytest.raises(SessionNotFoundError, match="not found"):
@@ -99,9 +99,9 @@ def test_another_principal_cannot_read_alter_or_close_a_session(tiny_target, own
     for server in (vs, ds):  # each engine keeps the two principals' sessions apart
         assert set(server.server.servicer.engine.sessions) == {"alice/sess-secret-id", "bob/sess-secret-id"}
     # alice's drafter session too: her draft is what it was before bob's calls
-    again = ad.draft("sess-secret-id", pre.anchor, pre.base, params).tree
+    again = ad.draft("sess-secret-id", pre.anchor, pre.base, "marginal", params).tree
     assert (again.tokens, again.parents) == (alice_draft.tokens, alice_draft.parents)
-    bob_draft = bd.draft("sess-secret-id", bob_pre.anchor, bob_pre.base, params).tree
+    bob_draft = bd.draft("sess-secret-id", bob_pre.anchor, bob_pre.base, "marginal", params).tree
     assert bob_draft.tokens[0] == bob_pre.anchor  # bob's own session, at his own base
     for v, d in ((av, ad), (bv, bd)):
         v.close("sess-secret-id")
@@ -134,7 +134,7 @@ def test_reprefill_of_an_open_session_is_explicit(tiny_target, owned):
 def test_generation_of_two_principals_with_the_same_ids(tiny_target, owned):
     """Both generate with one session id at once (interleaved): each gets the AR output."""
     clients, _, _ = owned
-    params = GenerationParams("marginal", TreeParams("marginal", budget=8, depth=6), max_new_tokens=16)
+    params = GenerationParams("marginal", TreeParams(budget=8, depth=6), max_new_tokens=16)
     prompts = {"alice": PROMPT, "bob": [0, 9, 1]}
     streams = {name: stream_generate(*clients[name], prompts[name], params, session_id="shared")
                for name in prompts}

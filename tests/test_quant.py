@@ -83,7 +83,7 @@ def test_every_method_is_bitwise_the_int4_modes_own_ar(dtype):
     prompt = [1, 5, 9, 13]
     ar = generate(verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=24)).token_ids
     for method in METHODS:
-        tree = TreeParams(method, budget=8, depth=4)
+        tree = TreeParams(budget=8, depth=4)
         params = GenerationParams(method=method, tree=tree, max_new_tokens=24)
         assert generate(verifier, drafter, prompt, params).token_ids == ar, method
 
@@ -123,6 +123,6 @@ def test_smollm2_gguf_int4_every_method_is_bitwise_its_ar(smollm2_dir):
     prompt = built.tokenizer.encode("Write a Python function that adds two numbers.")
     ar = generate(built.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=32)).token_ids
     for method in ("linear", "presto-best-first", "taps"):
-        tree = TreeParams(method, budget=8, depth=7)
+        tree = TreeParams(budget=8, depth=7)
         params = GenerationParams(method=method, tree=tree, max_new_tokens=32)
         assert generate(built.verifier, built.drafter, prompt, params).token_ids == ar, method

@@ -231,7 +231,7 @@ def sampled_generations(verifier, drafter, method: str, n: int, seed0: int = 0, 
     from presto_sd.loop.generate import GenerationParams, generate
     from presto_sd.method.builders import TreeParams
 
-    tree = TreeParams(method=method, budget=16, depth=k - 1)
+    tree = TreeParams(budget=16, depth=k - 1)
     samples, rounds = [], []
     for i in range(n):
         params = GenerationParams(method=method, tree=tree, max_new_tokens=k,

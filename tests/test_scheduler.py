@@ -29,7 +29,7 @@ class Recording:
 
 
 def _params(method: str, n: int) -> GenerationParams:
-    return GenerationParams(method=method, tree=TreeParams(method, budget=8, depth=6), max_new_tokens=n)
+    return GenerationParams(method=method, tree=TreeParams(budget=8, depth=6), max_new_tokens=n)
 
 
 def _run(engine: StepEngine, seqs: list, max_steps: int = 500, between=None) -> int:

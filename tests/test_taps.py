@@ -205,7 +205,7 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
     seed, cap, depth, k, coeffs, context, node_penalty_s, calibration, rho
 ):
     m = random_marginals(depth, k, seed=seed)
-    params = TreeParams(method="taps", budget=cap, depth=depth, node_penalty_s=node_penalty_s)
+    params = TreeParams(budget=cap, depth=depth, node_penalty_s=node_penalty_s)
     measured = RoundContext(cost=CostFit(*coeffs), draft_s=0.01, calibration=calibration)
     provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(), "marginal": None}[rho]
     ctx = ctx_for(m, context)
@@ -226,10 +226,10 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
 
 def test_taps_with_marginal_acceptance_ranks_like_ddtree():
     m = random_marginals(6, 4, seed=3)
-    params = TreeParams(method="taps", budget=20, depth=6)
+    params = TreeParams(budget=20, depth=6)
     # a(u) = q: the DDTree order
-    taps = build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=FLAT))
-    ddtree = build_tree(4, ctx_for(m), TreeParams(method="marginal", budget=20, depth=6))
+    taps = build_tree("taps", 4, ctx_for(m), params, rho=None, round_=RoundContext(cost=FLAT))
+    ddtree = build_tree("marginal", 4, ctx_for(m), TreeParams(budget=20, depth=6))
     assert taps.tree == ddtree.tree
     assert taps.path_scores == pytest.approx(ddtree.path_scores)
 
@@ -237,12 +237,12 @@ def test_taps_with_marginal_acceptance_ranks_like_ddtree():
 def test_taps_without_a_cost_model_is_refused():
     m = random_marginals(4, 3)
     with pytest.raises(ValueError, match="cost model"):
-        build_tree(4, ctx_for(m), TreeParams(method="taps"), rho=ConstantRho())
+        build_tree("taps", 4, ctx_for(m), TreeParams(), rho=ConstantRho())
 
 
 def test_depth_penalty_favours_shallow_trees():
     m = random_marginals(8, 4, seed=1)
-    base = TreeParams(method="taps", budget=24, depth=8)
+    base = TreeParams(budget=24, depth=8)
     plain = build_taps_tree(4, ctx_for(m), None, base, RoundContext(cost=FLAT)).tree
     shallow = build_taps_tree(4, ctx_for(m), None, replace(base, depth_penalty=2.0),
                               RoundContext(cost=FLAT)).tree
@@ -263,14 +263,15 @@ def peaked_marginals(depth: int, k: int, top: float = 0.85):
 
 def test_flat_cost_fills_the_cap_and_a_steep_one_shrinks_toward_the_linear_chain():
     m = peaked_marginals(8, 4)
-    params = TreeParams(method="taps", budget=24, depth=8)
-    flat = build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=FLAT))
+    params = TreeParams(budget=24, depth=8)
+    flat = build_tree("taps", 4, ctx_for(m), params, rho=None, round_=RoundContext(cost=FLAT))
     assert flat.tree.size == 24
     steep_cost = CostFit(0.03, 0.01, 0.0, 0.0)  # a node costs a third of a step
-    steep = build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=steep_cost, draft_s=0.01))
+    steep = build_tree("taps", 4, ctx_for(m), params, rho=None,
+                       round_=RoundContext(cost=steep_cost, draft_s=0.01))
     assert 1 <= steep.tree.size < 24
     assert steep.tree.parents == tuple(range(-1, steep.tree.size))  # a chain: DFlash's shape
-    assert build_tree(4, ctx_for(m), params, rho=None, round_=RoundContext(cost=STEEP)).tree.size == 0
+    assert build_tree("taps", 4, ctx_for(m), params, rho=None, round_=RoundContext(cost=STEEP)).tree.size == 0
 
 
 class _CalibratedVerifier:
@@ -443,7 +444,7 @@ def test_siblings_never_promise_more_than_one_accepted_child():
 
 def test_taps_tree_carries_the_raw_estimates_the_calibration_is_fitted_on():
     m = random_marginals(5, 4, seed=4)
-    params = TreeParams(method="taps", budget=12, depth=5)
+    params = TreeParams(budget=12, depth=5)
     measured = RoundContext(cost=FLAT, calibration=AcceptanceCalibration(-0.5, 1.5, -0.2))
     built = build_taps_tree(4, ctx_for(m), ConstantRho(0.1), params, measured)
     raw = built.node_log_acceptance

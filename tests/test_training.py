@@ -62,7 +62,7 @@ def test_gen_data_and_drafter_training(tiny_target_dir, tmp_path):
     ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
     assert set(stack.drafter.rho_providers) >= {"ngram", "hphi"}
     for method, rho in (("linear", "ngram"), ("presto-beam", "hphi"), ("presto-best-first", "ngram")):
-        tree = TreeParams(method=method, budget=8, rho=rho, lambdas=stack.assets.defaults.lambdas)
+        tree = TreeParams(budget=8, rho=rho, lambdas=stack.assets.defaults.lambdas)
         res = generate(stack.verifier, stack.drafter, prompt,
                        GenerationParams(method=method, tree=tree, max_new_tokens=12))
         assert res.token_ids == ar.token_ids
@@ -138,7 +138,7 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     cond = stats["prefix_recall"]
     assert len(cond["1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(cond["1"], cond["4"]))
     for method in ("presto-beam", "presto-best-first", "taps"):
-        tree = TreeParams(method=method, budget=6, rho="prefix", lambdas=(1.0,))
+        tree = TreeParams(budget=6, rho="prefix", lambdas=(1.0,))
         res = generate(stack.verifier, stack.drafter, prompt,
                        GenerationParams(method=method, tree=tree, max_new_tokens=12))
         assert res.token_ids == ar.token_ids, method

@@ -242,7 +242,7 @@ def draft_and_verify_rounds(verifier, drafter, prompts, params, n):
         out[sid], bases[sid], anchors[sid] = [pre.anchor], pre.base, pre.anchor
     while any(len(toks) < n for toks in out.values()):
         live = [sid for sid in out if len(out[sid]) < n]
-        trees = [drafter.draft(sid, anchors[sid], bases[sid], params[sid]).tree for sid in live]
+        trees = [drafter.draft(sid, anchors[sid], bases[sid], *params[sid]).tree for sid in live]
         results = verifier.verify_batch([VerifyCall(sid, bases[sid], t) for sid, t in zip(live, trees)])
         for sid, res in zip(live, results):
             assert isinstance(res, VerifyResult), res
@@ -255,7 +255,7 @@ def draft_and_verify_rounds(verifier, drafter, prompts, params, n):
 def test_greedy_generation_through_verify_batch_equals_ar(tiny_target):
     verifier, drafter = make_engines(tiny_target)
     methods = ["linear", "marginal", "presto-beam", "marginal"]
-    params = {f"g{i}": TreeParams(method=m, budget=4 + 6 * i, depth=6) for i, m in enumerate(methods)}
+    params = {f"g{i}": (m, TreeParams(budget=4 + 6 * i, depth=6)) for i, m in enumerate(methods)}
     got = draft_and_verify_rounds(verifier, drafter, PROMPTS, params, 24)
     for i, prompt in enumerate(PROMPTS):
         assert got[f"g{i}"] == hf_greedy(tiny_target, prompt, 24), i
@@ -473,14 +473,14 @@ def test_draft_batch_equals_one_by_one(tiny_target):
     for i, prompt in enumerate(PROMPTS):
         pre = verifier.prefill(f"d{i}", prompt)
         drafter.prefill(f"d{i}", pre.delta)
-        calls.append(DraftCall(f"d{i}", pre.anchor, pre.base, TreeParams(method=methods[i], budget=3 + 4 * i,
-                                                                        depth=2 + i, top_k=4 + i)))
-    bad = [DraftCall("d0", calls[0].anchor, calls[0].base, calls[0].params),  # the same session again
-           DraftCall("d1", calls[1].anchor, calls[1].base + 1, calls[1].params),  # stale base
-           DraftCall("nope", 1, 3, calls[0].params)]
+        calls.append(DraftCall(f"d{i}", pre.anchor, pre.base, methods[i],
+                               TreeParams(budget=3 + 4 * i, depth=2 + i, top_k=4 + i)))
+    bad = [replace(calls[0]),  # the same session again
+           replace(calls[1], base=calls[1].base + 1),  # stale base
+           replace(calls[0], session_id="nope", anchor=1, base=3)]
     got = drafter.draft_batch(calls + bad)
     for c, res in zip(calls, got):
-        want = drafter.draft(c.session_id, c.anchor, c.base, c.params)
+        want = drafter.draft(c.session_id, c.anchor, c.base, c.method, c.params)
         assert res.tree == want.tree and res.path_scores == pytest.approx(want.path_scores, abs=1e-5)
         torch.testing.assert_close(res.marginals.log_probs, want.marginals.log_probs, atol=ATOL, rtol=0)
     assert isinstance(got[4], InvalidArgumentError) and "already in this batch" in str(got[4])
@@ -496,10 +496,10 @@ def test_draft_batch_over_grpc_equals_in_process(tiny_target):
         for i, prompt in enumerate(PROMPTS[:3]):
             pre = verifier.prefill(f"r{i}", prompt)
             remote.prefill(f"r{i}", pre.delta)
-            params = TreeParams(method="marginal", budget=4 + i)
-            calls.append(DraftCall(f"r{i}", pre.anchor, pre.base, params))
-        bad = [DraftCall("r0", calls[0].anchor, calls[0].base + 1, calls[0].params),  # again, and stale
-               DraftCall("nope", 1, 3, calls[0].params)]
+            params = TreeParams(budget=4 + i)
+            calls.append(DraftCall(f"r{i}", pre.anchor, pre.base, "marginal", params))
+        bad = [replace(calls[0], base=calls[0].base + 1),  # again, and stale
+               replace(calls[0], session_id="nope", anchor=1, base=3)]
         got = remote.draft_batch(calls + bad)
         # the server keys sessions by principal (docs/services.md): the same calls in process
         want = served.draft_batch([replace(c, session_id=f"anonymous/{c.session_id}") for c in calls])

@@ -57,7 +57,7 @@ def test_params_round_trip_and_defaults():
     s = SamplingParams(0.7, 0.9, 5, seed=3)
     assert wire.sampling_from_pb(wire.sampling_to_pb(s)) == s
     assert wire.sampling_from_pb(pb.SamplingParams()) == SamplingParams()
-    p = TreeParams("marginal", 7, 4, branching=2, beam=3, lambdas=(0.5, 1.0), rho="constant", top_k=4)
+    p = TreeParams(7, 4, branching=2, beam=3, lambdas=(0.5, 1.0), rho="constant", top_k=4)
     assert wire.tree_params_from_pb(wire.tree_params_to_pb(p)) == p
     assert wire.tree_params_from_pb(pb.TreeParams()) == TreeParams()
 
@@ -106,7 +106,7 @@ def test_cost_model_round_trips_in_tree_params_and_verifier_info():
     from verifier_service import wire as vwire
 
     fit = CostFit(0.03, 0.0015, 2e-5, 0.002, tree_s=0.017, n_obs=48)
-    p = TreeParams(method="taps", budget=64, node_penalty_s=0.001, depth_penalty=0.5)
+    p = TreeParams(budget=64, node_penalty_s=0.001, depth_penalty=0.5)
     measured = RoundContext(cost=fit, draft_s=0.004, shared_tokens=3.0, round_trip_s=0.002,
                             calibration=AcceptanceCalibration(-0.4, 1.3, -0.2))
     msg = wire.tree_params_to_pb(p, measured)
@@ -154,8 +154,36 @@ def test_a_requests_tree_sets_configuration_not_a_rounds_measurements():
     from presto_pb.v1 import orchestrator_pb2
     from presto_sd.loop.generate import GenerationParams
 
-    defaults = service.ServiceDefaults(GenerationParams(method="marginal", tree=TreeParams("marginal")), "m")
+    defaults = service.ServiceDefaults(GenerationParams(method="marginal", tree=TreeParams()), "m")
     tree = pb.TreeParams(budget=9, draft_s=0.5, cost=pb.CostFit(intercept_s=0.01))
     msg = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=[1, 2]), tree=tree)
     job = service.job_from_pb(msg, defaults, None)
-    assert job.params.tree.budget == 9 and job.params.tree.method == "marginal"
+    assert job.params.tree.budget == 9 and job.params.method == "marginal"
+
+
+def test_one_method_per_request_and_per_draft_call():
+    """A request names its method once (``method``); the tree message's method field is a
+    draft call's: on a request it may only repeat the request's method. A draft call's
+    method travels in it, and an unset one is the default method."""
+    from drafter_service import wire as dwire
+    from orchestrator import service
+    from presto_pb.v1 import drafter_pb2, orchestrator_pb2
+    from presto_sd.engine.drafter import DraftCall
+    from presto_sd.loop.generate import GenerationParams
+    from presto_sd.method.methods import DEFAULT_METHOD
+
+    defaults = service.ServiceDefaults(GenerationParams(method="marginal", tree=TreeParams()), "m")
+    ids = orchestrator_pb2.TokenIds(ids=[1, 2])
+    same = orchestrator_pb2.GenerateRequest(token_ids=ids, method="taps", tree=pb.TreeParams(method="taps"))
+    assert service.job_from_pb(same, defaults, None).params.method == "taps"
+    for method, tree_method in ((None, "taps"), ("linear", "taps")):
+        msg = orchestrator_pb2.GenerateRequest(token_ids=ids, method=method,
+                                               tree=pb.TreeParams(method=tree_method))
+        with pytest.raises(InvalidArgumentError, match="tree.method = 'taps'"):
+            service.job_from_pb(msg, defaults, None)
+
+    call = DraftCall("s", 7, 4, "presto-beam", TreeParams(budget=9), context=RoundContext(draft_s=0.01))
+    assert dwire.draft_call_from_pb(dwire.draft_request_to_pb(call, want_marginals=False)) == call
+    bare = drafter_pb2.DraftRequest(session=pb.SessionRef(session_id="s", base=4), anchor=7,
+                                    params=pb.TreeParams(budget=9))
+    assert dwire.draft_call_from_pb(bare).method == DEFAULT_METHOD

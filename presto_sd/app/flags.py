@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from presto_sd.method.builders import TreeParams
-from presto_sd.method.methods import METHOD_NAMES, METHODS
+from presto_sd.method.methods import DEFAULT_METHOD, METHOD_NAMES, METHODS
 
 # presto_sd.models.loading.DTYPE_NAMES, without importing transformers for --help
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -70,8 +70,8 @@ def add_model_args(p: argparse.ArgumentParser, target_help: str, drafter_help: s
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """What one generation takes: method, tree, sampling and models (generate, serve orchestrator)."""
     g = p.add_argument_group("drafting")
-    # the defaults are TreeParams' (their one home): the bench's fastest on a 2-core CPU
-    g.add_argument("--method", default=TreeParams.method, choices=METHOD_NAMES, help=METHOD_HELP)
+    # the defaults' one home: DEFAULT_METHOD and TreeParams (the bench's fastest on a 2-core CPU)
+    g.add_argument("--method", default=DEFAULT_METHOD, choices=METHOD_NAMES, help=METHOD_HELP)
     g.add_argument("--budget", type=int, default=TreeParams.budget,
                    help="draft tree nodes per round (root excluded); taps: the most it may choose "
                         "(default 4: the bench's fastest on a 2-core CPU; a GPU's flat verify cost "

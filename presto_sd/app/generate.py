@@ -44,11 +44,12 @@ def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
     return encode_messages(tok, [{"role": "user", "content": prompt}], chat)
 
 
-def tree_summary(tree) -> dict:
-    """The tree parameters a request ran with (``TreeParams``, or a server's report of them)."""
+def tree_summary(tree, method: str) -> dict:
+    """The tree parameters a request ran with (``TreeParams`` and its method, or a server's
+    report of them)."""
     if isinstance(tree, dict):
         return tree
-    return {"method": tree.method, "budget": tree.budget, "depth": tree.depth, "branching": tree.branching,
+    return {"method": method, "budget": tree.budget, "depth": tree.depth, "branching": tree.branching,
             "beam": tree.beam, "rho": tree.rho, "lambdas": list(tree.lambdas)}
 
 
@@ -64,7 +65,7 @@ def generation_summary(args: argparse.Namespace, res, drafter: str, tree) -> dic
         "finish_reason": res.finish_reason,
         "mean_tree_size": round(res.mean_tree_size, 2),
         "drafter": drafter,
-        "tree": tree_summary(tree) if tree is not None else None,
+        "tree": tree_summary(tree, args.method) if tree is not None else None,
     }
 
 

@@ -52,7 +52,7 @@ def generation_params(args: argparse.Namespace, eos: tuple[int, ...], drafter_in
     from presto_sd.method.builders import TreeParams
 
     rho, lambdas = tree_settings(args.method, args.rho, parse_lambdas(args.lambdas), drafter_info)
-    tree = TreeParams(method=get_method(args.method).tree_method, budget=args.budget, depth=args.depth,
+    tree = TreeParams(budget=args.budget, depth=args.depth,
                       branching=args.branching, beam=args.beam, lambdas=lambdas, rho=rho)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     return GenerationParams(args.method, tree, args.max_new_tokens, sampling, stop_token_ids=eos)

@@ -213,13 +213,13 @@ class DFlashDrafter(Drafter):
             out.append(DraftMarginals(ids, top.values, entropy, hidden[r, :d].float()))
         return out
 
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
               context: RoundContext = RoundContext()) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, params, context=context))
+        return self._one(DraftCall(session_id, anchor, base, method, params, context=context))
 
-    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int, method: str,
                          params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, params, commit=delta, context=context))
+        return self._one(DraftCall(session_id, anchor, base, method, params, commit=delta, context=context))
 
     def _one(self, call: DraftCall) -> DraftResult:
         result = self.draft_batch([call])[0]
@@ -282,7 +282,7 @@ class DFlashDrafter(Drafter):
                 f"tree.budget = {params.budget}: over the drafter's limit {self.max_budget}"
             )
         try:
-            rho, method = None, get_method(params.method, "tree.method")
+            rho, method = None, get_method(c.method, "tree.method")
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
         # TAPS may take its acceptance from q itself: rho "marginal"
@@ -302,7 +302,7 @@ class DFlashDrafter(Drafter):
             measured = replace(measured, draft_s=forward_s)
         t0 = time.perf_counter()
         try:
-            built = build_tree(c.anchor, ctx, c.params, rho, measured)
+            built = build_tree(c.method, c.anchor, ctx, c.params, rho, measured)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
         return DraftResult(built.tree, marginals, built.path_scores, forward_s, time.perf_counter() - t0,

@@ -148,8 +148,9 @@ class Draft:
     def run(self, engine: Drafter) -> DraftResult:
         c = self.call
         if c.commit is None:
-            return engine.draft(c.session_id, c.anchor, c.base, c.params, c.context)
-        return engine.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.params, c.context)
+            return engine.draft(c.session_id, c.anchor, c.base, c.method, c.params, c.context)
+        return engine.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.method, c.params,
+                                       c.context)
 
 
 @dataclass(frozen=True)

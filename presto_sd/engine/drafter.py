@@ -49,6 +49,7 @@ class DraftCall:
     session_id: str
     anchor: int
     base: int
+    method: str  # the tree builder (a name of ``TREE_METHODS``)
     params: TreeParams
     commit: FeatureDelta | None = None  # applied first (``commit_and_draft``); base = commit.end
     context: RoundContext = RoundContext()  # what the caller measured this round (TAPS)
@@ -67,9 +68,10 @@ class Drafter(ABC):
         """
 
     @abstractmethod
-    def draft(self, session_id: str, anchor: int, base: int, params: TreeParams,
+    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
               context: RoundContext = RoundContext()) -> DraftResult:
-        """Marginals for the block after ``anchor`` (at position ``base``) and the tree."""
+        """Marginals for the block after ``anchor`` (at position ``base``) and the tree that
+        ``method`` builds from them."""
 
     def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
         """Draft for several sessions; each answer is its call's result or its error.
@@ -82,15 +84,15 @@ class Drafter(ABC):
         for c in calls:
             try:
                 if c.commit is None:
-                    out.append(self.draft(c.session_id, c.anchor, c.base, c.params, c.context))
+                    out.append(self.draft(c.session_id, c.anchor, c.base, c.method, c.params, c.context))
                 else:
-                    out.append(self.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.params,
-                                                     c.context))
+                    out.append(self.commit_and_draft(c.session_id, c.commit, c.anchor, c.base, c.method,
+                                                     c.params, c.context))
             except EngineError as e:
                 out.append(answer_of(e))
         return out
 
-    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int,
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int, method: str,
                          params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
         """``commit`` then ``draft`` (``base`` = ``delta.end``): the loop's usual round, ONE
         call to a remote drafter. The engines check the whole call before the commit
@@ -98,7 +100,7 @@ class Drafter(ABC):
         first); a call that failed in flight may have applied it, and the next then finds
         the base moved on (stale)."""
         self.commit(session_id, delta)
-        return self.draft(session_id, anchor, base, params, context)
+        return self.draft(session_id, anchor, base, method, params, context)
 
     def round_trip_s(self) -> float:
         """What a call costs beyond the engine's own work (``Verifier.round_trip_s``); 0 in process."""

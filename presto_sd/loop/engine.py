@@ -174,7 +174,7 @@ class StepEngine:
         depth = seq.depth_left()
         params = seq.tree_params if depth == seq.tree_params.depth else replace(seq.tree_params, depth=depth)
         measured = seq.taps.round_context() if seq.taps is not None else RoundContext()
-        r.call = side.draft_call(seq.seq_id, seq.anchor, seq.base, params, measured)
+        r.call = side.draft_call(seq.seq_id, seq.anchor, seq.base, seq.method.name, params, measured)
 
     def _drafted(self, r: _Round, answer: DraftResult | EngineError, now: float) -> None:
         r.draft = r.seq.drafter.answered(answer, now)

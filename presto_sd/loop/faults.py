@@ -157,11 +157,11 @@ class DrafterSide:
         self.lost, self.opened, self.synced = False, True, len(self.log)
         self.wait = self.policy.drafter_retry_s
 
-    def draft_call(self, session_id: str, anchor: int, base: int, params: TreeParams,
+    def draft_call(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
                    context: RoundContext) -> DraftCall:
         pending = concat(self.log[self.synced:]) if self.synced < len(self.log) else None
         self._sending = len(self.log)
-        return DraftCall(session_id, anchor, base, params, commit=pending, context=context)
+        return DraftCall(session_id, anchor, base, method, params, commit=pending, context=context)
 
     def answered(self, answer: DraftResult | EngineError, now: float) -> DraftResult | None:
         """The draft's tree, or None when the drafter could not give one (then an AR step)."""

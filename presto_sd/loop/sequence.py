@@ -10,18 +10,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from presto_sd.engine.messages import InvalidArgumentError
 from presto_sd.loop.faults import DrafterSide, FaultPolicy, VerifierSide
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
-from presto_sd.method.methods import Method, get_method
+from presto_sd.method.methods import DEFAULT_METHOD, Method, get_method
 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    method: str = TreeParams.method  # "ar" or a tree builder name
+    method: str = DEFAULT_METHOD  # "ar" or a tree builder (the tree's shape: ``tree``)
     tree: TreeParams = field(default_factory=TreeParams)
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -124,7 +124,7 @@ class Sequence:
             self.stopper.resume(resume)
         self.verifier = VerifierSide(self.prompt_ids, resume, params.sampling, params.faults)
         self.drafter = DrafterSide(params.faults) if self.method.needs_drafter else None
-        self.tree_params = replace(params.tree, method=params.method)
+        self.tree_params = params.tree
         self.taps = None  # TapsFeedback, made when the first round needs it
         # the step engine's decision for the next round (a tree or an AR step), made before
         # the scheduler picks, and the most verifier rows that round may take

@@ -44,11 +44,11 @@ MAX_CANDIDATES = 64
 
 @dataclass(frozen=True)
 class TreeParams:
-    """A tree's shape and scoring: configuration, the same every round of a request."""
+    """A tree's shape and scoring: configuration, the same every round of a request. Which
+    builder reads it is the method's (``GenerationParams.method``, ``DraftCall.method``)."""
 
     # the defaults are every front's (the CLI, a request without them, the gRPC services):
     # the bench's fastest on a 2-core CPU (docs/benchmarks.md); a GPU pays for larger trees
-    method: str = "presto-best-first"
     budget: int = 4  # draft nodes, root excluded
     depth: int = 15  # at most block_size - 1
     branching: int = 4  # k: children expanded per frontier path (presto-beam)
@@ -309,25 +309,24 @@ def build_taps_tree(
 
 
 def build_tree(
+    method: str,
     anchor: int,
     ctx: ScoringContext,
     params: TreeParams,
     rho: RhoProvider | None = None,
     round_: RoundContext = RoundContext(),
 ) -> BuiltTree:
-    """Dispatch on ``params.method``; PRESTO methods need a rho provider (TAPS: optional,
-    and this round's measurements, ``round_``)."""
-    if params.method == "linear":
+    """Dispatch on ``method``; PRESTO methods need a rho provider (TAPS: optional, and
+    this round's measurements, ``round_``)."""
+    if method == "linear":
         return build_linear_tree(anchor, ctx.marginals, params)
-    if params.method == "marginal":
+    if method == "marginal":
         return build_marginal_tree(anchor, ctx.marginals, params)
-    if params.method in ("presto-beam", "presto-best-first"):
+    if method in ("presto-beam", "presto-best-first"):
         if rho is None:
-            raise ValueError(f"method {params.method!r} needs a rho provider")
-        builder = (
-            build_presto_beam_tree if params.method == "presto-beam" else build_presto_best_first_tree
-        )
+            raise ValueError(f"method {method!r} needs a rho provider")
+        builder = build_presto_beam_tree if method == "presto-beam" else build_presto_best_first_tree
         return builder(anchor, ctx, rho, params)
-    if params.method == "taps":
+    if method == "taps":
         return build_taps_tree(anchor, ctx, rho, params, round_)
-    raise ValueError(f"tree.method = {params.method!r}: unknown (choose from {', '.join(TREE_METHODS)})")
+    raise ValueError(f"tree.method = {method!r}: unknown (choose from {', '.join(TREE_METHODS)})")

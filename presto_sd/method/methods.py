@@ -19,11 +19,6 @@ class Method:
     sizes_itself: bool = False  # chooses its tree size each round from the verifier's cost model
     wants_calibrated_rho: bool = False  # sums reaches, so takes h_phi by default where shipped
 
-    @property
-    def tree_method(self) -> str:
-        """The tree builder the drafter runs (``ar`` drafts nothing; its params say linear)."""
-        return self.name if self.needs_drafter else "linear"
-
 
 _ALL = (
     Method("ar", "plain decoding", needs_drafter=False, budgeted=False),
@@ -38,6 +33,9 @@ METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)  # every method, ar first
 TREE_METHODS: tuple[str, ...] = tuple(m.name for m in _ALL if m.needs_drafter)  # the tree builders
 RHO_METHODS: tuple[str, ...] = tuple(m.name for m in _ALL if m.uses_rho)
+# every front's default (the CLI, a request without one, the gRPC services): the bench's
+# fastest on a 2-core CPU (docs/benchmarks.md); its budget is ``TreeParams.budget``
+DEFAULT_METHOD = "presto-best-first"
 
 
 def get_method(name: str, what: str = "method") -> Method:

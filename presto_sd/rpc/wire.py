@@ -146,11 +146,13 @@ def cost_from_pb(msg: pb.CostFit, field: str = "cost") -> CostFit:
         raise InvalidArgumentError(f"{field}: {e}") from None
 
 
-def tree_params_to_pb(p: TreeParams, context: RoundContext | None = None) -> pb.TreeParams:
-    """A tree's parameters, and a round's measurements where a draft call carries them (the
-    wire keeps both in one ``TreeParams`` message: fields 9, 10 and 13-15 are the round's)."""
+def tree_params_to_pb(p: TreeParams, context: RoundContext | None = None,
+                      method: str | None = None) -> pb.TreeParams:
+    """A tree's parameters, and a draft call's method and round measurements (the wire keeps
+    the three in one ``TreeParams`` message: field 1 is the method, fields 9, 10 and 13-15
+    the round's)."""
     msg = pb.TreeParams(
-        method=p.method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
+        method=method, budget=p.budget, depth=p.depth, branching=p.branching, beam=p.beam,
         lambdas=p.lambdas, rho=p.rho, top_k=p.top_k, node_penalty_s=p.node_penalty_s,
         depth_penalty=p.depth_penalty,
     )

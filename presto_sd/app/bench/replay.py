@@ -221,7 +221,7 @@ def position_stats(
     if prefix is not None:
         stats.cond_hits = torch.zeros(depth, 2, dtype=torch.long)
         vocab = prefix.t2d.ge(0).nonzero()[:, 0]  # every draftable target id
-    params = TreeParams(method="linear", budget=depth, depth=depth, top_k=top_k)
+    params = TreeParams(budget=depth, depth=depth, top_k=top_k)
     bar = tqdm(total=len(recordings) * new_tokens, desc="positions", unit="pos", disable=not progress)
     for r in recordings:
         seq, p = r.tokens, len(r.prompt)
@@ -229,7 +229,7 @@ def position_stats(
         drafter.prefill(sid, FeatureDelta(0, r.prompt, r.features[:p]))
         try:
             for n in range(p, min(p + new_tokens, len(seq) - depth - 1)):
-                m = drafter.draft(sid, seq[n], n, params).marginals
+                m = drafter.draft(sid, seq[n], n, "linear", params).marginals
                 truth = torch.tensor(seq[n + 1 : n + 1 + m.depth])
                 match = m.token_ids[:, :top_k] == truth[:, None]  # [D, K]
                 stats.hits[: m.depth] += match.long()

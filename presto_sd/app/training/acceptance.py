@@ -90,7 +90,7 @@ def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table
     verifier, drafter = stack.verifier, stack.drafter
     rho = NGramRho(table)
     prefix_rho = drafter.rho_providers.get("prefix")
-    params = TreeParams(method="marginal", budget=cfg.budget, depth=cfg.depth,
+    params = TreeParams(budget=cfg.budget, depth=cfg.depth,
                         top_k=min(MAX_CANDIDATES, max(10, cfg.budget)))
     rows: dict[str, list] = {k: [] for k in Traces.__dataclass_fields__}
     group = 0
@@ -100,7 +100,7 @@ def collect_traces(stack, prompts: list[list[int]], cfg: AcceptanceConfig, table
         drafter.prefill(sid, pre.delta)
         anchor, base, produced = pre.anchor, pre.base, 1
         while produced < cfg.max_new_tokens and anchor not in verifier.eos_token_ids:
-            d = drafter.draft(sid, anchor, base, params)
+            d = drafter.draft(sid, anchor, base, "marginal", params)
             v = verifier.verify(sid, base, d.tree, want_node_probs=True)
             tree, m = d.tree, d.marginals
             session = drafter.sessions[sid]
