@@ -124,3 +124,40 @@ def test_prompts_file_is_its_own_dataset(tmp_path):
     args = build_parser().parse_args(["bench", "--prompts-file", str(f), "--n", "2"])
     prompts = load_bench_prompts(args)  # no --datasets: the file alone
     assert [(p.dataset, p.turns[0]) for p in prompts] == [("mine", "one"), ("mine", "two")]
+
+
+def test_the_llama_cpp_row_is_skipped_saying_why(monkeypatch, capsys):
+    """Without llama-cpp-python (an optional extra) or a GGUF, bench drops the llama-cpp row
+    and prints why; with them it runs on the target's own GGUF."""
+    from presto_sd.app.bench import cli, gguf_peer
+
+    args = build_parser().parse_args(["bench", "--methods", "ar,llama-cpp,marginal", "--gguf", "m.gguf"])
+    monkeypatch.setattr(gguf_peer, "available", lambda: "llama-cpp-python is not installed (test)")
+    assert cli.bench_config(args, (2,), None).methods == ("ar", "marginal")
+    assert "llama-cpp skipped: llama-cpp-python is not installed (test)" in capsys.readouterr().err
+    monkeypatch.setattr(gguf_peer, "available", lambda: None)
+    cfg = cli.bench_config(args, (2,), None)
+    assert cfg.methods == ("ar", "llama-cpp", "marginal") and cfg.gguf == "m.gguf"
+    no_gguf = build_parser().parse_args(["bench", "--methods", "ar,llama-cpp", "--target", "some/dir"])
+    assert cli.bench_config(no_gguf, (2,), None).methods == ("ar",)
+    assert "is not a .gguf file" in capsys.readouterr().err
+
+
+@pytest.mark.smollm2
+def test_llama_cpp_decodes_the_targets_own_gguf(smollm2_dir):
+    """The peer row on the real SmolLM2 GGUF: greedy tokens, one round per token after the
+    first; how often its text is the engine's AR is the bench's to report (``ar_equal``)."""
+    from presto_sd.app.bench import gguf_peer
+    from presto_sd.models.loading import encode_messages, load_tokenizer, target_gguf
+
+    why = gguf_peer.available()
+    if why is not None:
+        pytest.skip(why)
+    ctx = methods.BenchContext(None, None, gguf=str(target_gguf(None)), threads=2)
+    params = GenerationParams(max_new_tokens=12, stop_token_ids=(2,))
+    prompt = encode_messages(load_tokenizer(None), [{"role": "user", "content": "Name three colours."}])
+    res = gguf_peer.run_llama_cpp(ctx, prompt, params)
+    again = gguf_peer.run_llama_cpp(ctx, prompt, params)
+    assert 1 <= len(res.token_ids) <= 12 and res.token_ids == again.token_ids  # greedy: the same twice
+    assert len(res.rounds) == len(res.token_ids) - 1 and all(r.tree_size == 0 for r in res.rounds)
+    assert res.prefill_s > 0 and res.decode_s >= 0

@@ -45,8 +45,10 @@ def test_row_arithmetic():
     assert row["speedup"] == pytest.approx(10 / 4)
     assert row["mean_tree_size"] == pytest.approx(22 / 3)
     assert row["lossless"] is False  # p1's last token differs
+    assert row["ar_equal"] == pytest.approx(0.5)  # ... and p0's are ar's
     assert summarize(TREE[:1], AR, greedy=True)["lossless"] is True
     assert summarize(TREE, AR, greedy=False)["lossless"] is None  # sampling: not checked
+    assert summarize(TREE, AR, greedy=False)["ar_equal"] is None
     assert summarize(TREE, None, greedy=True)["speedup"] is None
 
 

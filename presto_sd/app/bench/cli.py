@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from presto_sd.app.flags import add_model_args, add_sampling_args, add_tree_args, csv
 
 DEFAULT_DATASETS = "gsm8k,humaneval,mtbench"
-DEFAULT_METHODS = "ar,hf-generate,hf-prompt-lookup,linear,marginal,presto-beam,presto-best-first,taps"
+DEFAULT_METHODS = ("ar,hf-generate,hf-prompt-lookup,llama-cpp,linear,marginal,presto-beam,presto-best-first,"
+                   "taps")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--budgets", default=None,
                    help="comma-separated budget sweep, e.g. 8,16,32,64 (overrides --budget)")
     w.add_argument("--out", default="runs/bench", help="output dir (default: %(default)s)")
+    w.add_argument("--gguf", default=None,
+                   help="llama-cpp: the GGUF file llama.cpp decodes (default: the target's own, where the "
+                        "target is a .gguf or the default SmolLM2); the row is skipped, saying why, where "
+                        "llama-cpp-python is not installed (pip install -e '.[peers]')")
     w.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up generations")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--replay", action="store_true",
@@ -89,12 +95,34 @@ def bench_config(args: argparse.Namespace, eos: tuple[int, ...], drafter_info):
     from presto_sd.models.assets import DrafterDefaults
 
     budgets = tuple(int(b) for b in csv(args.budgets)) if args.budgets else (args.budget,)
+    methods, gguf = peer_gguf(args, tuple(csv(args.methods)))
     base = generation_params(argparse.Namespace(**{**vars(args), "method": "linear"}), eos, drafter_info)
     defaults = drafter_info.defaults if drafter_info is not None else DrafterDefaults()
     providers = drafter_info.rho_providers if drafter_info is not None else ()
-    return BenchConfig(tuple(csv(args.methods)), budgets, base, args.lookup_tokens,
+    return BenchConfig(methods, budgets, base, args.lookup_tokens,
                        warmup=not args.no_warmup, taps_cap=args.taps_cap,
-                       taps_rho=args.taps_rho or defaults.calibrated_rho(providers))
+                       taps_rho=args.taps_rho or defaults.calibrated_rho(providers), gguf=gguf)
+
+
+def peer_gguf(args: argparse.Namespace, methods: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """The methods to run and llama-cpp's GGUF; without llama-cpp-python or a GGUF, the
+    llama-cpp row is dropped and the reason printed (an optional extra, not an error)."""
+    from presto_sd.app.bench import gguf_peer
+    from presto_sd.models.loading import target_gguf
+
+    if gguf_peer.NAME not in methods:
+        return methods, None
+    why = gguf_peer.available()
+    gguf = None
+    if why is None:
+        try:
+            gguf = args.gguf or str(target_gguf(args.target))
+        except ValueError as e:
+            why = f"{e}; give --gguf"
+    if why is None:
+        return methods, gguf
+    print(f"presto-sd bench: {gguf_peer.NAME} skipped: {why}", file=sys.stderr)
+    return tuple(m for m in methods if m != gguf_peer.NAME), None
 
 
 def run(args: argparse.Namespace) -> int:

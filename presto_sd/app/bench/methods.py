@@ -24,6 +24,8 @@ class BenchContext:
     verifier: Verifier
     drafter: Drafter | None
     lookup_tokens: int = 10  # hf-prompt-lookup: prompt_lookup_num_tokens
+    gguf: str | None = None  # llama-cpp: the GGUF file it decodes
+    threads: int = 1  # llama-cpp: its threads (the bench's torch threads)
 
 
 MethodFn = Callable[[BenchContext, list[int], GenerationParams], GenerationResult]

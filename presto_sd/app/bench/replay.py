@@ -40,7 +40,7 @@ from presto_sd.method.builders import TreeParams
 from presto_sd.method.tree import TokenTree
 
 # Methods whose rounds depend on measured time, not only on trees and tokens.
-NOT_REPLAYABLE = frozenset({"taps", "hf-generate", "hf-prompt-lookup"})
+NOT_REPLAYABLE = frozenset({"taps", "hf-generate", "hf-prompt-lookup", "llama-cpp"})
 
 
 @dataclass(frozen=True)

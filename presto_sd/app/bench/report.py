@@ -76,7 +76,7 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["dataset", "method", "budget", "tau", "tok/s", "speedup", "tree",
-            *(f"{k} %" for k in SPLIT_KEYS), "lossless"]
+            *(f"{k} %" for k in SPLIT_KEYS), "lossless", "= ar %"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         split = r["time_split"]
@@ -84,6 +84,7 @@ def markdown_table(rows: list[dict]) -> str:
             r["dataset"], r["method"], _fmt(r["budget"], "d"), _fmt(r["tau"]),
             _fmt(r["tokens_per_s"], ".1f"), _fmt(r["speedup"]), _fmt(r["mean_tree_size"], ".1f"),
             *(_fmt(100 * split[k], ".1f") for k in SPLIT_KEYS), _fmt(r["lossless"]),
+            _fmt(None if r.get("ar_equal") is None else 100 * r["ar_equal"], ".0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -107,7 +108,9 @@ def write_markdown(out: Path, rows: list[dict], meta: dict[str, Any], plots: Seq
         "",
         "tau = mean tokens per round (accepted + 1); speedup = tok/s over `ar` on the same prompts "
         "in the same run; tree = mean draft nodes verified per round; draft/build/verify/commit/other "
-        "= shares of decode time; lossless = greedy output identical to `ar` on every prompt.",
+        "= shares of decode time; lossless = greedy output identical to `ar` on every prompt; "
+        "= ar % = the share of prompts whose greedy output is `ar`'s (a peer's own arithmetic may "
+        "differ: reported, not hidden).",
         "",
         *(f"![{Path(p).stem}]({Path(p).name})" for p in plots),
         "",

@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
-from presto_sd.app.bench import hf_lookup  # noqa: F401 (the transformers peer registers itself)
+from presto_sd.app.bench import gguf_peer, hf_lookup  # noqa: F401 (the peers register themselves)
 from presto_sd.app.bench.methods import BenchContext, get_method
 from presto_sd.app.bench.stats import RunLog, table_rows
 from presto_sd.engine.drafter import Drafter
@@ -48,6 +49,7 @@ class BenchConfig:
     warmup: bool = True
     taps_cap: int = 64  # taps: the most nodes a round may choose
     taps_rho: str | None = None  # taps: its acceptance provider (None: params.tree.rho)
+    gguf: str | None = None  # llama-cpp: the GGUF file it decodes
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -101,7 +103,7 @@ def run_bench(
     for job in jobs:
         if get_method(job.method).needs_drafter and drafter is None:
             raise ValueError(f"bench method {job.method!r} needs a drafter")
-    ctx = BenchContext(verifier, drafter, config.lookup_tokens)
+    ctx = BenchContext(verifier, drafter, config.lookup_tokens, config.gguf, torch.get_num_threads())
     if config.warmup:
         warm = replace(config.params, max_new_tokens=min(WARMUP_TOKENS, config.params.max_new_tokens))
         for name in dict.fromkeys(j.method for j in jobs):

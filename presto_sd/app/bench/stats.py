@@ -89,6 +89,14 @@ def lossless(runs: Sequence[RunLog], reference: dict[str, list[int]] | None) -> 
     return all(r.token_ids == reference.get(_key(r)) for r in runs)
 
 
+def ar_equal(runs: Sequence[RunLog], reference: dict[str, list[int]] | None) -> float | None:
+    """The share of prompts whose tokens equal the reference (``ar``) tokens: 1 for every
+    method of ours (``lossless``); a peer with its own arithmetic may differ."""
+    if reference is None:
+        return None
+    return sum(r.token_ids == reference.get(_key(r)) for r in runs) / len(runs)
+
+
 def _key(run: RunLog) -> str:
     return f"{run.dataset}\x00{run.prompt_id}"
 
@@ -124,6 +132,7 @@ def summarize(
         "prefill_s": sum(r.prefill_s for r in runs),
         "decode_s": sum(r.decode_s for r in runs),
         "lossless": lossless(runs, ref),
+        "ar_equal": ar_equal(runs, ref),
     }
 
 
