@@ -47,7 +47,9 @@ def prefix_shards(manifest: dict, size: int, first: int = 0) -> int | None:
 
 def point_name(size: int, args: argparse.Namespace) -> str:
     warm = f"warm{args.warm_skip_shards}-" if args.warm_from else ""
-    return f"{warm}{size // 1000}k-s{args.steps}-soft{args.soft_weight:g}"
+    vocab = f"-v{args.draft_vocab}" if args.draft_vocab else ""
+    bf16 = "-bf16" if args.bf16 else ""
+    return f"{warm}{size // 1000}k-s{args.steps}-soft{args.soft_weight:g}{vocab}{bf16}"
 
 
 def done_points() -> set[str]:
@@ -63,6 +65,7 @@ def run_point(size: int, args: argparse.Namespace) -> dict:
     from presto_sd.app.training.token_corpus import Corpus
     from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
     from presto_sd.models.cache import cache_dir
+    from presto_sd.models.dflash import DFlashDraftModel
     from presto_sd.models.loading import load_target
 
     corpus = Corpus(args.corpus)
@@ -78,11 +81,11 @@ def run_point(size: int, args: argparse.Namespace) -> dict:
     del model
     t_feat = time.perf_counter() - t0
     run = ROOT / "runs" / "curve" / name
+    vocab = {"draft_vocab": args.draft_vocab, "revocab": bool(args.warm_from)} if args.draft_vocab else {}
     cfg = TrainConfig(data=str(data), out=str(run), steps=args.steps, batch_seqs=8, anchors_per_seq=16,
                       ckpt_every=250, soft_weight=args.soft_weight, lr=args.lr,
-                      init_drafter=args.warm_from or "")
+                      init_drafter=args.warm_from or "", bf16=args.bf16, **vocab)
     drafter = train_drafter(cfg)
-    t_train = time.perf_counter() - t0 - t_feat
     out = run / "replay"
     cli = Path(sys.executable).parent / "presto-sd"
     subprocess.run([str(cli), "bench", "--replay", "--drafter", str(drafter), *REPLAY_ARGS,
@@ -100,7 +103,9 @@ def run_point(size: int, args: argparse.Namespace) -> dict:
         "oov_label_rate": report["oov_label_rate"],
         "top1": {ds: v["recall"]["1"][0] for ds, v in replay["positions"].items()},
         "tau": _taus(replay),
-        "features_s": round(t_feat), "train_s": round(t_train),
+        "draft_vocab": DFlashDraftModel.load(drafter).config.draft_vocab, "bf16_training": args.bf16,
+        # the training's own wall time, every stretch of a resumed run (its report)
+        "features_s": round(t_feat), "train_s": round(report["wall_s"]),
         "machine": replay["machine"], "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(["scripts/learning_curve.py", *sys.argv[1:]]),
     }
@@ -129,12 +134,14 @@ def plot() -> Path:
         def recipe_of(r: dict) -> tuple:  # a warm point (a parent's data + new) is a recipe apart
             return r["steps"], r["soft_weight"], bool(r.get("warm_from"))
 
-        for recipe in sorted({recipe_of(r) for r in rows}):
+        recipes = sorted({recipe_of(r) for r in rows})
+        warm_marks = dict(zip([r for r in recipes if r[2]], "*PXD"))  # one marker per warm recipe
+        for recipe in recipes:
             pts = sorted((r for r in rows if recipe_of(r) == recipe and r["size"] > 0),
                          key=lambda r: r["response_tokens"])
             for i, ds in enumerate(("gsm8k", "humaneval", "mtbench")):
                 ax.plot([r["response_tokens"] / 1e6 for r in pts], [get(r, ds) for r in pts],
-                        "*" if recipe[2] else "o-", markersize=11 if recipe[2] else 6,
+                        warm_marks.get(recipe, "o-"), markersize=11 if recipe[2] else 6,
                         color=f"C{i}", alpha=0.5 + 0.5 * recipe[1],
                         label=f"{ds} ({'warm start, +' if recipe[2] else ''}steps {recipe[0]}, "
                               f"soft {recipe[1]:g})")
@@ -149,9 +156,10 @@ def plot() -> Path:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7)
     fig.suptitle("drafter learning curve (replay, 8 prompts a set, 128 tokens; dotted: the drafter shipped "
-                 "until 2026-12-05 morning, size 0 in the data;\nstars: the warm start from the 2 M, "
-                 "3000-step point on 1.1 M more tokens, shipped since 2026-12-05 noon; its replay is bf16 on "
-                 "an AMD EPYC, the others fp32 on an Intel AMX)", fontsize=9)
+                 "until 2026-12-05 morning, size 0 in the data;\nwarm starts from the 2 M, 3000-step point "
+                 "on 1.1 M more tokens (stars, 2000 steps: shipped at noon; crosses, 4000 steps, a 16k "
+                 "vocabulary, bf16 training: shipped since 2026-12-05 afternoon);\nthe warm starts' replays "
+                 "are bf16 on an AMD EPYC, the others fp32 on an Intel AMX)", fontsize=9)
     fig.tight_layout(rect=(0, 0.2, 1, 0.92))
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=110)
@@ -169,6 +177,10 @@ def main() -> None:
                    help="start from this trained drafter dir instead of the target's layers")
     p.add_argument("--warm-skip-shards", type=int, default=0, metavar="N",
                    help="with --warm-from: the parent trained on shards [0, N); train on the ones after")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="the draft vocabulary's size (default: the recipe's 8,192; with --warm-from, its "
+                        "parent's map): with --warm-from, a new map of N tokens (train drafter --revocab)")
+    p.add_argument("--bf16", action="store_true", help="train with bf16 autocast (train drafter --bf16)")
     p.add_argument("--plot", action="store_true", help="only draw the plot from the results file")
     p.add_argument("--add-shipped", metavar="REPLAY_JSON",
                    help="record the shipped drafter's replay (bench --replay with the same flags) as size 0")

@@ -309,7 +309,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
         rng.setstate(state["rng"])
     log = open(out / "train_log.jsonl", "a")
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", mininterval=10)
-    t0 = time.perf_counter()
+    # wall time counts every stretch of a resumed run (its log's elapsed_s, the report's wall_s)
+    t0 = time.perf_counter() - (state.get("wall_s", 0.0) if state is not None else 0.0)
     while step < cfg.steps:
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
@@ -337,7 +338,7 @@ def train_drafter(cfg: TrainConfig) -> Path:
             bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "rng": rng.getstate(), "d2t": d2t,
+                        "rng": rng.getstate(), "d2t": d2t, "wall_s": time.perf_counter() - t0,
                         "heldout_keys": [sequence_key(s) for s in heldout]}, ckpt.with_suffix(".tmp"))
             ckpt.with_suffix(".tmp").rename(ckpt)
             save_drafter(model, d2t, out / "drafter", cfg)
