@@ -16,6 +16,7 @@ the bench reports how often it does (``ar_equal``), it does not hide it.
 
 from __future__ import annotations
 
+import atexit
 import time
 from functools import cache
 
@@ -39,8 +40,10 @@ def available() -> str | None:
 def _llama(path: str, threads: int):
     from llama_cpp import Llama
 
-    return Llama(model_path=path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads,
-                 verbose=False, seed=0)
+    llm = Llama(model_path=path, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads,
+                verbose=False, seed=0)
+    atexit.register(llm.close)  # freed while its library is loaded, not in a finalizer at exit
+    return llm
 
 
 def _describe(ctx: BenchContext, params: GenerationParams) -> dict:
