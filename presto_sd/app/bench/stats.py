@@ -81,20 +81,18 @@ def time_split(runs: Sequence[RunLog]) -> dict[str, float]:
     return split
 
 
-def lossless(runs: Sequence[RunLog], reference: dict[str, list[int]] | None) -> bool | None:
-    """Every run's tokens equal the reference (``ar``) tokens for its prompt; None when
-    there is no reference to compare with (sampling, or no ``ar`` in the run)."""
-    if reference is None:
-        return None
-    return all(r.token_ids == reference.get(_key(r)) for r in runs)
-
-
 def ar_equal(runs: Sequence[RunLog], reference: dict[str, list[int]] | None) -> float | None:
-    """The share of prompts whose tokens equal the reference (``ar``) tokens: 1 for every
+    """The share of prompts whose tokens equal the reference (``ar``) tokens; None when
+    there is no reference to compare with (sampling, or no ``ar`` in the run). 1 for every
     method of ours (``lossless``); a peer with its own arithmetic may differ."""
     if reference is None:
         return None
     return sum(r.token_ids == reference.get(_key(r)) for r in runs) / len(runs)
+
+
+def lossless(share_equal: float | None) -> bool | None:
+    """Every run's tokens are the reference's (``ar_equal`` is 1); None without a reference."""
+    return None if share_equal is None else share_equal == 1
 
 
 def _key(run: RunLog) -> str:
@@ -115,6 +113,7 @@ def summarize(
     tps = tokens_per_s(runs)
     ar_tps = tokens_per_s(ar_runs) if ar_runs else None
     ref = reference_tokens(ar_runs) if ar_runs and greedy else None
+    equal = ar_equal(runs, ref)
     first = runs[0]
     return {
         "dataset": dataset or first.dataset,
@@ -131,8 +130,8 @@ def summarize(
         "time_split": time_split(runs),
         "prefill_s": sum(r.prefill_s for r in runs),
         "decode_s": sum(r.decode_s for r in runs),
-        "lossless": lossless(runs, ref),
-        "ar_equal": ar_equal(runs, ref),
+        "lossless": lossless(equal),
+        "ar_equal": equal,
     }
 
 
