@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -37,6 +37,7 @@ from presto_sd.engine.sessions import Seat, SessionTable
 from presto_sd.engine.verifier import (
     BatchAnswer,
     BatchCall,
+    MaskChains,
     PrefillCall,
     PrefillResult,
     Verifier,
@@ -54,6 +55,7 @@ from presto_sd.method.acceptance import (
     walk_tree,
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
+from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
 from presto_sd.models import llama
 from presto_sd.models.invariant import (
@@ -64,6 +66,7 @@ from presto_sd.models.invariant import (
 )
 from presto_sd.models.llama import Linear
 from presto_sd.models.packed import Segment, packed_forward, packed_plan
+from presto_sd.models.self_draft import SelfDraftAdapter
 from presto_sd.models.session_kv import KVStore, SessionKV
 
 
@@ -97,6 +100,7 @@ class HFVerifier(Verifier):
         kv_min_capacity: int = 256,  # a session's smallest KV slot (positions); classes double from it
         decoder: str = "auto",  # "owned" (models/llama.py), "transformers", or "auto": owned where it runs
         linears: Mapping[str, Linear] | None = None,  # row-invariant kernels for the owned decoder's linears
+        adapter: SelfDraftAdapter | None = None,  # self-speculative mask rows (needs the owned decoder)
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
@@ -119,9 +123,13 @@ class HFVerifier(Verifier):
         owned = decoder == "owned" or (decoder == "auto" and llama.supports(model))
         if linears and not owned:
             raise ValueError(f"linears replace the owned decoder's: decoder {decoder!r} does not run it here")
+        if adapter is not None and not owned:
+            raise ValueError(f"a self-draft adapter runs in the owned decoder: decoder {decoder!r} does not")
         # given linears are probed row-invariant by their maker (quant.int4_linears)
         self.row_invariant = (bool(linears) or linears_ok) and self.head_kernel is not None
-        self.owned = llama.LlamaDecoder(model, linears) if owned else None  # None: transformers' forward
+        # None: transformers' forward
+        self.owned = llama.LlamaDecoder(model, linears, adapter) if owned else None
+        self.adapter = adapter
         n_layers = model.config.num_hidden_layers
         if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
             raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
@@ -166,6 +174,7 @@ class HFVerifier(Verifier):
             cost=self.forward_costs.fit,
             memory=self.sessions.memory(),
             row_invariant=self.row_invariant,
+            self_draft_block=self.adapter.config.block if self.adapter is not None else 0,
         )
 
     def calibrate_cost(self) -> CostFit:
@@ -183,16 +192,20 @@ class HFVerifier(Verifier):
 
     # -- the forward --------------------------------------------------------------------
     def _forward(
-        self, segments: list[Segment], input_ids: list[int], positions: list[int] | torch.Tensor
+        self, segments: list[Segment], input_ids: list[int], positions: list[int] | torch.Tensor,
+        mask_rows: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed forward of every segment's new tokens: final hidden states [N, H] and
         target-layer features [N, F]. Each session's KV buffers receive its new entries
-        after its committed length (``SessionKV.keep`` commits them)."""
+        after its committed length (``SessionKV.keep`` commits them). ``mask_rows``: the
+        self-draft rows (``MaskChains``), computed by the adapter (owned decoder only)."""
         positions = torch.as_tensor(positions, dtype=torch.long)
         if self.owned is not None:
             plan = packed_plan(segments, self.device)
             ids = torch.tensor(input_ids, device=self.device)
-            last, kept = self.owned.forward(ids, positions.to(self.device), plan, self.target_layer_ids)
+            masks = torch.tensor(mask_rows, dtype=torch.long, device=self.device) if mask_rows else None
+            last, kept = self.owned.forward(ids, positions.to(self.device), plan, self.target_layer_ids,
+                                            mask_rows=masks)
             return last, torch.cat(kept, dim=-1)
         with packed_forward(self.model, segments):
             out = self.decoder(
@@ -275,15 +288,15 @@ class HFVerifier(Verifier):
         self._seated.pop(seat.number, None)
         self.sessions.release(seat)  # a no-op once opened
 
-    def _admit_tree(self, s: _Session, tree: TokenTree, pending: list[int], admitted: int) -> int:
-        """Admit a tree's KV (nothing when it fits the session's slot) after ``admitted``
-        bytes and ``pending`` slots of the same batch; returns its bytes, and appends the
-        slot it moves to (if any) to ``pending``."""
-        need = s.kv.length + len(tree.tokens)
+    def _admit_tree(self, s: _Session, rows: int, pending: list[int], admitted: int) -> int:
+        """Admit a tree's KV (``rows``: its nodes and mask rows; nothing when they fit the
+        session's slot) after ``admitted`` bytes and ``pending`` slots of the same batch;
+        returns its bytes, and appends the slot it moves to (if any) to ``pending``."""
+        need = s.kv.length + rows
         if need <= s.kv.capacity:
             return 0
         cost = self._placement_cost([*self._seated.values(), *pending], need)
-        self.sessions.admit(admitted + cost, f"a verify of {len(tree.tokens)} nodes")
+        self.sessions.admit(admitted + cost, f"a verify of {rows} rows")
         pending.append(need)
         return cost
 
@@ -313,11 +326,13 @@ class HFVerifier(Verifier):
 
     @torch.inference_mode()
     def verify(
-        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False,
+        chains: MaskChains | None = None,
     ) -> VerifyResult:
-        s = self._check(session_id, base, tree)
-        self._admit_tree(s, tree, [], 0)
-        return self._run([(s, VerifyCall(session_id, base, tree, want_node_probs))], [])[0]
+        call = VerifyCall(session_id, base, tree, want_node_probs, chains)
+        s = self._check(call)
+        self._admit_tree(s, call_rows(call), [], 0)
+        return self._run([(s, call)], [])[0]
 
     @torch.inference_mode()
     def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
@@ -360,8 +375,8 @@ class HFVerifier(Verifier):
                         self._check_prompt(c.token_ids, c.anchor)
                         prompts.append((j, self._seat(c.session_id, len(c.token_ids), c.restart, pending)))
                     else:
-                        s = self._check(c.session_id, c.base, c.tree)
-                        admitted += self._admit_tree(s, c.tree, pending, admitted)
+                        s = self._check(c)
+                        admitted += self._admit_tree(s, n, pending, admitted)
                         verifies.append((j, s))
                     rows += n
                 except EngineError as e:
@@ -377,8 +392,9 @@ class HFVerifier(Verifier):
         return out
 
     # -- verification steps, shared by verify and verify_batch ----------------------------
-    def _check(self, session_id: str, base: int, tree: TokenTree) -> _Session:
+    def _check(self, call: VerifyCall) -> _Session:
         """The session, if the call may run on it; the named error otherwise."""
+        session_id, base, tree = call.session_id, call.base, call.tree
         s = self.sessions.touch(session_id)
         check_base(session_id, s.base, base)
         try:
@@ -397,7 +413,26 @@ class HFVerifier(Verifier):
                 f"verify: context {base + tree.max_depth + 1} would exceed max_context "
                 f"{self.limits.max_context}"
             )
+        if call.chains is not None:
+            self._check_chains(call.chains, tree)
         return s
+
+    def _check_chains(self, chains: MaskChains, tree: TokenTree) -> None:
+        if self.adapter is None:
+            raise InvalidArgumentError("verify.chains: this verifier has no self-draft adapter "
+                                       "(`--drafter self:DIR` loads one)")
+        if not 1 <= chains.depth <= self.adapter.config.block:
+            raise InvalidArgumentError(f"verify.chains.depth = {chains.depth}: must lie in "
+                                       f"[1, {self.adapter.config.block}] (the adapter's block)")
+        if not 1 <= chains.top_k <= self.vocab_size:
+            raise InvalidArgumentError(
+                f"verify.chains.top_k = {chains.top_k}: must lie in [1, {self.vocab_size}]")
+        bad = next((u for u in chains.after if not 0 <= u < len(tree.tokens)), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"verify.chains.after: node {bad} is not in the tree of "
+                                       f"{len(tree.tokens)} nodes")
+        if len(set(chains.after)) != len(chains.after):
+            raise InvalidArgumentError("verify.chains.after: a node named twice")
 
     def _run(self, items: list[tuple[_Session, VerifyCall]],
              prompts: list[tuple[PrefillCall, Seat]]) -> list[VerifyResult | PrefillResult]:
@@ -408,19 +443,30 @@ class HFVerifier(Verifier):
         over the same span as the calibration's: the whole verification.
         """
         t0 = time.perf_counter()
-        segments, input_ids, positions = [], [], []
-        for s, c in items:
-            n = len(c.tree.tokens)
-            segments.append(Segment(s.kv, len(input_ids), n, None if n == 1 else c.tree.paths()))
+        segments, input_ids, positions, mask_rows = [], [], [], []
+        chains = [self._chains(c) for _, c in items]
+        for (s, c), ch in zip(items, chains):
+            start, paths = len(input_ids), list(c.tree.paths())
             input_ids += c.tree.tokens
             positions += [c.base + d for d in c.tree.depths]
+            if ch is not None:  # each chain after its node: the node's path, then the chain so far
+                for u in ch.after:
+                    chain: tuple[int, ...] = ()
+                    for j in range(1, ch.depth + 1):
+                        chain += (len(input_ids) - start,)  # this row, in the segment
+                        paths.append((*paths[u], *chain))
+                        mask_rows.append(len(input_ids))
+                        input_ids.append(0)  # ignored: the adapter's mask embedding
+                        positions.append(c.base + c.tree.depths[u] + j)
+            n = len(input_ids) - start
+            segments.append(Segment(s.kv, start, n, None if n == 1 else tuple(paths)))
         for c, _ in prompts:  # a new session's prompt: causal, from position 0
             segments.append(Segment(self.kv_store.session(), len(input_ids), len(c.token_ids)))
             input_ids += c.token_ids
             positions += range(len(c.token_ids))
         rngs = [s.generator.get_state() for s, _ in items]
         try:
-            hidden, feats = self._forward(segments, input_ids, positions)
+            hidden, feats = self._forward(segments, input_ids, positions, mask_rows)
             # every walk starts at its root, every prompt's anchor is drawn from its last row:
             # those rows' logits in one lm_head matmul, not one each
             heads = None
@@ -429,10 +475,11 @@ class HFVerifier(Verifier):
                 lasts = [seg.start + seg.n - 1 for seg in segments[len(items):]]
                 heads = self._logits(hidden[roots + lasts])
             walked = []
-            for k, ((s, c), seg) in enumerate(zip(items, segments)):
-                rows = slice(seg.start, seg.start + seg.n)
+            for k, ((s, c), seg, ch) in enumerate(zip(items, segments, chains)):
+                rows = slice(seg.start, seg.start + len(c.tree.tokens))  # the tree's; its chains after
                 root = None if heads is None else heads[k]
-                walked.append((*self._walk(s, c.tree, hidden[rows], c.want_node_probs, root), feats[rows]))
+                walk, node_probs = self._walk(s, c.tree, hidden[rows], c.want_node_probs, root)
+                walked.append((walk, node_probs, feats[rows], self._next_block(walk, hidden, rows.stop, ch)))
             opened = []
             for k, ((c, seat), seg) in enumerate(zip(prompts, segments[len(items):]), start=len(items)):
                 last = heads[k] if heads is not None else self._logits(hidden[seg.start + seg.n - 1])
@@ -441,9 +488,9 @@ class HFVerifier(Verifier):
                 prompt_feats = feats[seg.start : seg.start + seg.n].clone()
                 opened.append((seat, *self._new_session(c, seg.kv, last, prompt_feats)))
             results: list[VerifyResult | PrefillResult] = []
-            for (s, c), (walk, node_probs, f) in zip(items, walked):
-                s.kv.keep(walk.path)
-                results.append(self._commit(s, c.base, c.tree, walk, f, node_probs))
+            for (s, c), (walk, node_probs, f, drafted) in zip(items, walked):
+                s.kv.keep(walk.path)  # the tree's rows come first: the chains' are dropped
+                results.append(self._commit(s, c.base, c.tree, walk, f, node_probs, drafted))
         except BaseException:
             for (s, c), rng in zip(items, rngs):
                 _rollback(s, c.base, rng)  # never half-applied
@@ -453,7 +500,7 @@ class HFVerifier(Verifier):
             results.append(result)
         if len(items) == 1 and not prompts and self.forward_costs.prior is not None:
             (_, c), = items  # refine the fit, never replace it
-            self.forward_costs.observe(len(c.tree.tokens), c.base, time.perf_counter() - t0)
+            self.forward_costs.observe(segments[0].n, c.base, time.perf_counter() - t0)
         return results
 
     def _walk(
@@ -471,14 +518,35 @@ class HFVerifier(Verifier):
 
         return walk_tree(tree, logits, s.sampling, s.generator), None
 
+    def _chains(self, call: VerifyCall) -> MaskChains | None:
+        """The call's chains, shortened to stay inside the context window (they only draft:
+        a shorter chain drafts a shallower next block); None when none fits."""
+        ch = call.chains
+        if ch is None or not ch.after:
+            return None
+        room = self.limits.max_context - 1 - call.base - max(call.tree.depths[u] for u in ch.after)
+        return None if room < 1 else replace(ch, depth=min(ch.depth, room))
+
+    def _next_block(self, walk: WalkResult, hidden: torch.Tensor, chains_start: int,
+                    chains: MaskChains | None) -> DraftMarginals | None:
+        """The marginals the chain after the walk's last node drafted (None: it had none)."""
+        end = walk.path[-1]
+        if chains is None or end not in chains.after:
+            return None
+        first = chains_start + chains.after.index(end) * chains.depth
+        logp = torch.log_softmax(self._logits(hidden[first : first + chains.depth]), dim=-1)
+        top = torch.topk(logp, chains.top_k, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return DraftMarginals(top.indices.cpu(), top.values.cpu(), entropy.cpu())
+
     def _commit(
         self, s: _Session, base: int, tree: TokenTree, walk: WalkResult, feats: torch.Tensor,
-        node_probs: torch.Tensor | None,
+        node_probs: torch.Tensor | None, next_block: DraftMarginals | None = None,
     ) -> VerifyResult:
         """Commit the accepted path and the bonus (the KV cache already holds the path)."""
         path_tokens = [tree.tokens[i] for i in walk.path]
         s.tokens.extend([*path_tokens[1:], walk.bonus])
-        delta = FeatureDelta(base, tuple(path_tokens), feats[torch.tensor(walk.path)].cpu())
+        delta = FeatureDelta(base, tuple(path_tokens), feats[torch.tensor(walk.path)].cpu(), next_block)
         return VerifyResult(
             accepted=tuple(path_tokens[1:]),
             bonus=walk.bonus,

@@ -4,6 +4,11 @@ The one place engines are loaded from a target and a drafter directory: the embe
 stack (``build_embedded``), ``presto-sd serve verifier|drafter`` and the orchestrator's
 in-process replicas all call these. What the drafter directory holds is read by
 ``presto_sd.models.assets``; whatever is there is loaded, the rest keeps its defaults.
+
+``--drafter self`` (the shipped self-draft adapter) or ``self:DIR`` selects the
+self-speculative mode (``self_drafter.py``): the verifier carries the adapter and the
+drafter is a ``SelfDrafter``; it runs embedded (one process), where the verify forward's
+drafts reach the tree builder without a wire.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +24,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from presto_sd.embedded.dflash_drafter import DFlashDrafter
 from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.embedded.memory import kv_budget
+from presto_sd.embedded.self_drafter import SELF_PREFIX, SelfDrafter
+from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import HPhi, LearnedRho, NGramRho, RhoProvider
@@ -33,17 +41,41 @@ from presto_sd.models.loading import (
     target_gguf,
 )
 from presto_sd.models.quant import WEIGHTS, gguf_q4_1_blocks, int4_linears
+from presto_sd.models.self_draft import SelfDraftAdapter
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+# the shipped self-draft adapter (``presto-sd train self-draft``; docs/self_speculative.md)
+DEFAULT_SELF_DRAFT = Path(__file__).parents[1] / "assets" / "self_draft" / "smollm2-135m"
 log = logging.getLogger("presto_sd.embedded")
 
 
 @dataclass
 class EmbeddedStack:
     verifier: HFVerifier
-    drafter: DFlashDrafter
+    drafter: Drafter  # a DFlashDrafter, or a SelfDrafter (self-speculative mode)
     tokenizer: PreTrainedTokenizerBase
     assets: DrafterAssets  # the drafter's directory, and the PRESTO settings fitted for it
+
+
+def self_draft_dir(spec: str | None) -> Path | None:
+    """The adapter dir ``--drafter self`` / ``self:DIR`` names; None for any other drafter."""
+    if spec is None or not (spec == SELF_PREFIX or spec.startswith(SELF_PREFIX + ":")):
+        return None
+    path = Path(spec[len(SELF_PREFIX) + 1 :]).expanduser() if ":" in spec else DEFAULT_SELF_DRAFT
+    if not path.is_dir():
+        raise FileNotFoundError(f"--drafter {spec}: no adapter dir {path} (`presto-sd train self-draft` "
+                                "makes one)")
+    return path
+
+
+def self_drafter_engine(verifier: HFVerifier, adapter_dir: Path, assets: DrafterAssets,
+                        max_chains: int | None = None) -> SelfDrafter:
+    """The drafter of the self-speculative mode over ``verifier`` (which carries the adapter);
+    the n-gram table is the target's shipped one (its text, not a drafter's), if any."""
+    table = assets.ngram_table
+    return SelfDrafter(verifier.adapter.config.block, verifier.vocab_size, verifier.target_layer_ids,
+                       NGramModel.load(table) if table is not None else None, max_chains,
+                       name=f"{SELF_PREFIX}:{adapter_dir}")
 
 
 def drafter_assets(target: str | None, drafter: str | None) -> DrafterAssets:
@@ -74,7 +106,7 @@ def drafter_engine(model: PreTrainedModel, assets: DrafterAssets, max_sessions: 
 def verifier_engine(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, target: str | None, assets: DrafterAssets,
     limits: VerifierLimits = VerifierLimits(), prefill_chunk: int = 512, decoder: str = "auto",
-    weights: str = "dense",
+    weights: str = "dense", adapter: SelfDraftAdapter | None = None,
 ) -> HFVerifier:
     """The target emitting the features the drafter was trained on (its ``target_layer_ids``);
     ``weights`` "gguf-int4": its linears from the target GGUF's own Q4_1 blocks (``quant``)."""
@@ -86,7 +118,7 @@ def verifier_engine(
     config = assets.config or random_drafter_config(model.config)
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
                       eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
-                      prefill_chunk=prefill_chunk, decoder=decoder, linears=linears)
+                      prefill_chunk=prefill_chunk, decoder=decoder, linears=linears, adapter=adapter)
 
 
 def weights_dtype(weights: str, dtype: torch.dtype | None) -> torch.dtype | None:
@@ -141,9 +173,20 @@ def build_embedded(
     dtype: torch.dtype | None = None,
     decoder: str = "auto",
     weights: str = "dense",
+    self_draft: str | None = None,
 ) -> EmbeddedStack:
-    """Verifier and drafter in this process, sharing one copy of the target."""
-    assets = drafter_assets(target, drafter)
+    """Verifier and drafter in this process, sharing one copy of the target. ``drafter``
+    ``self`` / ``self:DIR``: the self-speculative mode. ``self_draft`` (a dir): the adapter
+    on the verifier beside a DFlash drafter (the bench runs both modes on one target)."""
+    adapter_dir = self_draft_dir(drafter)
+    assets = drafter_assets(target, None if adapter_dir is not None else drafter)
     model, tok = load_target(target, device, weights_dtype(weights, dtype))
-    verifier = verifier_engine(model, tok, target, assets, decoder=decoder, weights=weights)
+    adapter_dir = adapter_dir or (Path(self_draft) if self_draft else None)
+    adapter = None
+    if adapter_dir is not None:
+        adapter = SelfDraftAdapter.load(adapter_dir, model.dtype).to(model.device)
+    verifier = verifier_engine(model, tok, target, assets, decoder=decoder, weights=weights, adapter=adapter)
+    if self_draft_dir(drafter) is not None:
+        return EmbeddedStack(verifier, self_drafter_engine(verifier, adapter_dir, assets), tok,
+                             DrafterAssets.read(None))
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
 from presto_sd.engine.sessions import KVMemory
+from presto_sd.engine.verifier import MaskChains
 from presto_sd.method.builders import RoundContext, TreeParams
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
@@ -40,6 +41,7 @@ class DraftResult:
     forward_s: float  # the drafter forward and its lm_head
     build_s: float  # tree building + scoring
     node_log_acceptance: tuple[float, ...] = ()  # taps: raw log a(u) per node (BuiltTree)
+    chains: MaskChains | None = None  # self-speculative: the mask rows its verify carries
 
 
 @dataclass(frozen=True)

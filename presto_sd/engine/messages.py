@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the thin clients import these errors without loading torch
     import torch
 
+    from presto_sd.method.scores import DraftMarginals
+
 
 class EngineError(Exception):
     """Base of the errors an engine raises on a request it refuses."""
@@ -76,6 +78,9 @@ class FeatureDelta:
     start: int
     tokens: tuple[int, ...]
     features: torch.Tensor  # [len(tokens), num_layers * hidden]
+    # self-speculative mode: the marginals of the block after this round's bonus, drafted by
+    # the verify forward's mask rows (``MaskChains``); None: none drafted
+    next_block: DraftMarginals | None = None
 
     def __post_init__(self) -> None:
         if self.features.ndim != 2 or self.features.shape[0] != len(self.tokens):

@@ -42,6 +42,7 @@ class VerifierInfo:
     cost: CostFit | None = None  # forward seconds vs tree size and context, fit online
     memory: KVMemory = field(default_factory=KVMemory, compare=False)  # live: KV bytes in use, budget
     row_invariant: bool = False  # each row computed as alone: greedy output bitwise its own AR's
+    self_draft_block: int = 0  # the deepest mask chain its self-draft adapter drafts; 0: none
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,21 @@ class VerifyResult:
 
 
 @dataclass(frozen=True)
+class MaskChains:
+    """Self-speculative rows of a verify (``models/self_draft.py``): a chain of ``depth``
+    mask rows after each tree node of ``after``. The chain after the node the walk ends on
+    drafts the next block: the result's ``delta.next_block``, its ``top_k`` per depth."""
+
+    after: tuple[int, ...]
+    depth: int
+    top_k: int = 32
+
+    @property
+    def rows(self) -> int:
+        return len(self.after) * self.depth
+
+
+@dataclass(frozen=True)
 class VerifyCall:
     """One request's share of a batched verification (``Verifier.verify_batch``)."""
 
@@ -74,6 +90,7 @@ class VerifyCall:
     base: int
     tree: TokenTree
     want_node_probs: bool = False
+    chains: MaskChains | None = None  # self-speculative: draft the next block in this forward
 
 
 @dataclass(frozen=True)
@@ -93,8 +110,11 @@ BatchAnswer = VerifyResult | PrefillResult | EngineError
 
 
 def call_rows(call: BatchCall) -> int:
-    """Rows a batch item adds to the one verifier forward: a prompt's tokens, a tree's nodes."""
-    return len(call.token_ids) if isinstance(call, PrefillCall) else len(call.tree.tokens)
+    """Rows a batch item adds to the one verifier forward: a prompt's tokens, a tree's nodes
+    and its mask chains."""
+    if isinstance(call, PrefillCall):
+        return len(call.token_ids)
+    return len(call.tree.tokens) + (call.chains.rows if call.chains is not None else 0)
 
 
 class Verifier(ABC):

@@ -183,8 +183,10 @@ class StepEngine:
         calls: list[PrefillCall | VerifyCall] = [s.verifier.prefill_call(s.seq_id) for s in plan.prefills]
         for r in rounds:
             seq = r.seq
-            tree = r.draft.tree if r.draft is not None else TokenTree.root_only(seq.anchor)
-            calls.append(VerifyCall(seq.seq_id, seq.base, tree))
+            if r.draft is None:
+                calls.append(VerifyCall(seq.seq_id, seq.base, TokenTree.root_only(seq.anchor)))
+            else:  # a self-speculative draft names the mask rows its verify carries
+                calls.append(VerifyCall(seq.seq_id, seq.base, r.draft.tree, chains=r.draft.chains))
         if not calls:
             return []
         t0 = self.clock()
@@ -266,7 +268,10 @@ class StepEngine:
             seq.drafter.logged(answer.delta)
         size, build_s = (r.draft.tree.size, r.draft.build_s) if r.draft is not None else (0, 0.0)
         if seq.taps is not None:
-            tree, raw = (r.draft.tree, r.draft.node_log_acceptance) if r.draft is not None else (None, ())
+            # a self-speculative round without marginals (its first, or after a gated one) only
+            # drafts the next: the gate judges the rounds that verify a draft
+            drafted = r.draft is not None and r.draft.marginals.depth > 0
+            tree, raw = (r.draft.tree, r.draft.node_log_acceptance) if drafted else (None, ())
             seq.taps.observe(tree, raw, seq.base, answer.accepted, draft_s, verify_s, 0.0)
         seq.anchor, seq.base = answer.bonus, answer.base
         fallback = r.wanted and r.draft is None

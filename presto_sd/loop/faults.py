@@ -186,4 +186,6 @@ def concat(deltas: list[FeatureDelta]) -> FeatureDelta:
     if len(deltas) == 1:
         return deltas[0]
     tokens = tuple(t for d in deltas for t in d.tokens)
-    return FeatureDelta(deltas[0].start, tokens, torch.cat([d.features for d in deltas]))
+    # a drafted next block is the last round's: it follows that round's bonus
+    features = torch.cat([d.features for d in deltas])
+    return FeatureDelta(deltas[0].start, tokens, features, deltas[-1].next_block)

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from presto_sd.models.invariant import invariant_linear, pick_linear_kernel
 from presto_sd.models.packed import packed_plan, session_attention
+from presto_sd.models.self_draft import LINEARS, SelfDraftAdapter
 
 FAMILY = ("llama", "qwen2", "qwen3")  # model_type values this decoder runs
 
@@ -70,9 +71,12 @@ class LlamaDecoder:
     """The decoder stack of a loaded Llama-family model, as one plain forward.
 
     ``linears``: kernels that replace the model's own, by module name under the decoder
-    (``layers.3.mlp.up_proj``): the GGUF's int4 blocks (``quant.int4_linears``)."""
+    (``layers.3.mlp.up_proj``): the GGUF's int4 blocks (``quant.int4_linears``).
+    ``adapter``: the self-speculative adapter, applied to the rows a forward names as mask
+    rows only (``self_draft.py``); every other row is computed as without it."""
 
-    def __init__(self, model: PreTrainedModel, linears: Mapping[str, Linear] | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, linears: Mapping[str, Linear] | None = None,
+                 adapter: SelfDraftAdapter | None = None) -> None:
         if not supports(model):
             raise ValueError(f"{model.config.model_type!r} is not a Llama-family model: {FAMILY}")
         inner = model.get_decoder()
@@ -84,6 +88,9 @@ class LlamaDecoder:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight
         self.layers = [self._layer(i, layer, linears or {}) for i, layer in enumerate(inner.layers)]
+        if adapter is not None:
+            adapter.check_target(model)
+        self.adapter = adapter
 
     @staticmethod
     def _layer(i: int, layer: torch.nn.Module, linears: Mapping[str, Linear]) -> _Layer:
@@ -108,20 +115,34 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan,
-                keep_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                keep_layers: Sequence[int] = (), mask_rows: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``input_ids``/``positions`` ``[N]`` of the packed tokens -> (the final normed hidden
         states ``[N, H]``, the outputs of ``keep_layers`` ``[N, H]`` each, in that order, as
-        transformers' ``hidden_states[i + 1]``)."""
+        transformers' ``hidden_states[i + 1]``). ``mask_rows``: indices of the self-draft mask
+        rows (their ``input_ids`` are ignored), which the adapter computes."""
         n = input_ids.shape[0]
         h = self.embed[input_ids][None]  # [1, N, H]
+        masked = mask_rows is not None and len(mask_rows) > 0
+        if masked:
+            if self.adapter is None:
+                raise ValueError("mask rows need a self-draft adapter")
+            h[0, mask_rows] = self.adapter.mask_embed.to(h.dtype)
+
+        def lin(i: int, which: int, f: Linear, x: torch.Tensor) -> torch.Tensor:
+            y = f(x)
+            if masked:  # the adapter's delta at mask rows only: the other rows are f's alone
+                y[:, mask_rows] += self.adapter.delta(i, LINEARS[which], x[:, mask_rows]).to(y.dtype)
+            return y
+
         cos, sin = self.rotary(h, positions[None])  # [1, N, head_dim], in h's dtype
         cos, sin = cos[:, None], sin[:, None]
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
-            q = layer.q(x).view(1, n, self.heads, self.head_dim)
-            k = layer.k(x).view(1, n, self.kv_heads, self.head_dim)
-            v = layer.v(x).view(1, n, self.kv_heads, self.head_dim)
+            q = lin(i, 0, layer.q, x).view(1, n, self.heads, self.head_dim)
+            k = lin(i, 1, layer.k, x).view(1, n, self.kv_heads, self.head_dim)
+            v = lin(i, 2, layer.v, x).view(1, n, self.kv_heads, self.head_dim)
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -129,9 +150,10 @@ class LlamaDecoder:
             k = k * cos + _rotate_half(k) * sin
             attn = session_attention(plan, layer.attn, q, k, v, dropout=0.0,
                                      scaling=layer.attn.scaling)  # [1, N, heads, head_dim]
-            h = h + layer.o(attn.reshape(1, n, -1))
+            h = h + lin(i, 3, layer.o, attn.reshape(1, n, -1))
             x = self._norm(h, layer.post_norm)
-            h = h + layer.down(torch.nn.functional.silu(layer.gate(x)) * layer.up(x))
+            gate, up = lin(i, 4, layer.gate, x), lin(i, 5, layer.up, x)
+            h = h + lin(i, 6, layer.down, torch.nn.functional.silu(gate) * up)
             if i in keep_layers:
                 kept[i] = h[0]
         out = self._norm(h, self.final_norm)[0]

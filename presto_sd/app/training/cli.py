@@ -87,6 +87,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the weights' dtype on disk (default: %(default)s; loading casts to the target's)")
 
+    from presto_sd.app.training.train_self import SelfTrainConfig
+
+    sd = tsub.add_parser("self-draft", help="the self-speculative adapter (mask rows of the target draft "
+                         "its next block) from the repo corpus's token ids (resumable; "
+                         "docs/self_speculative.md)")
+    _add_dataclass_args(sd, SelfTrainConfig)
+
     from presto_sd.app.training.acceptance import AcceptanceConfig
 
     acc = tsub.add_parser("acceptance", help="verification traces -> h_phi, n-gram table, lambda_d, "
@@ -120,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 
         print(train_drafter(_to_config(TrainConfig, args)))
+    elif args.train_command == "self-draft":
+        from presto_sd.app.training.train_self import SelfTrainConfig, train_self_draft
+
+        print(train_self_draft(_to_config(SelfTrainConfig, args)))
     elif args.train_command == "export":
         import torch
 
