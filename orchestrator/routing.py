@@ -31,6 +31,7 @@ from presto_sd.engine.messages import EngineError, FeatureDelta, UnavailableErro
 from presto_sd.engine.verifier import (
     BatchAnswer,
     BatchCall,
+    MaskChains,
     PrefillCall,
     PrefillResult,
     Verifier,
@@ -188,8 +189,8 @@ class PooledVerifier(_Pool, Verifier):
         return out
 
     def verify(self, session_id: str, base: int, tree: TokenTree,
-               want_node_probs: bool = False) -> VerifyResult:
-        answer = self.verify_batch([VerifyCall(session_id, base, tree, want_node_probs)])[0]
+               want_node_probs: bool = False, chains: MaskChains | None = None) -> VerifyResult:
+        answer = self.verify_batch([VerifyCall(session_id, base, tree, want_node_probs, chains)])[0]
         if isinstance(answer, BaseException):
             raise answer
         return answer

@@ -87,7 +87,7 @@ def test_jobs_interleave_in_rotation(monkeypatch):
 
     for name in ("ar", "marginal"):
         monkeypatch.setitem(methods.REGISTRY, name, methods.BenchMethod(
-            name, record(name), methods.REGISTRY[name].budgeted, False))
+            name, record(name), methods.REGISTRY[name].budgeted, False, core=name))
     cfg = config(methods=("marginal",), budgets=(1, 2))
     assert cfg.jobs() == [Job("ar", None), Job("marginal", 1), Job("marginal", 2)]
     logs = run_bench(None, None, PROMPTS, cfg, progress=False)

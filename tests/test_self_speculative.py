@@ -12,7 +12,13 @@ import random
 import pytest
 import torch
 
-from presto_sd.app.training.train_self import SelfTrainConfig, chain_loss, make_batch, train_self_draft, window
+from presto_sd.app.training.train_self import (
+    SelfTrainConfig,
+    chain_loss,
+    make_batch,
+    train_self_draft,
+    window,
+)
 from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.embedded.self_drafter import SelfDrafter, self_round_cost
 from presto_sd.engine.messages import InvalidArgumentError
@@ -134,7 +140,8 @@ def test_greedy_equals_ar_in_self_mode(target, trained, method, budget, depth, m
     verifier, drafter = self_engines(target, adapter, max_chains)
     accepted = 0
     for prompt in PROMPTS:
-        params = GenerationParams(method=method, tree=TreeParams(budget=budget, depth=depth), max_new_tokens=24)
+        tree = TreeParams(budget=budget, depth=depth)
+        params = GenerationParams(method=method, tree=tree, max_new_tokens=24)
         res = generate(verifier, drafter, prompt, params)
         assert res.token_ids == hf_greedy(target, prompt, 24), (method, budget, depth, prompt)
         accepted += sum(r.accepted for r in res.rounds)
@@ -150,8 +157,8 @@ def test_greedy_equals_ar_in_self_mode_bf16(target, trained):
     for prompt in PROMPTS:
         ar = generate(ar_verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=24))
         for method in METHODS:
-            res = generate(verifier, drafter, prompt,
-                           GenerationParams(method=method, tree=TreeParams(budget=8, depth=4), max_new_tokens=24))
+            params = GenerationParams(method=method, tree=TreeParams(budget=8, depth=4), max_new_tokens=24)
+            res = generate(verifier, drafter, prompt, params)
             assert res.token_ids == ar.token_ids, (method, prompt)
 
 
@@ -176,7 +183,8 @@ def test_bad_chains_are_refused_and_change_nothing(target):
 def test_chains_are_cut_at_the_context_window(target):
     from presto_sd.engine.verifier import VerifierLimits
 
-    v = HFVerifier(target, (0, 2), VerifierLimits(max_context=12), adapter=random_adapter(target), decoder="owned")
+    v = HFVerifier(target, (0, 2), VerifierLimits(max_context=12), adapter=random_adapter(target),
+                   decoder="owned")
     prefill_at_anchor(v, "s", list(range(1, 9)), 5)  # base 8: positions 8..11 are left
     r = v.verify("s", 8, TokenTree.from_lists([5, 3], [-1, 0]), chains=MaskChains((0, 1), 4))
     nb = r.delta.next_block
@@ -215,3 +223,47 @@ def test_taps_prices_the_chains():
         assert every.seconds(n, 0) == pytest.approx(fit.seconds(5 * n, 0) if n > 1 else 0.01 + 0.002 + 0.005)
     capped = self_round_cost(fit, depth=4, max_chains=2)
     assert capped.seconds(9, 0) == pytest.approx(fit.seconds(9 + 8, 0))
+
+
+def test_bench_and_replay_run_the_self_methods(target, trained):
+    """``self-*`` rows beside the drafter's: lossless in the bench, and the replay's rounds
+    (teacher-forced chains, training arithmetic) are the bench's."""
+    from presto_sd.app.bench.replay import replay_bench
+    from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, run_bench
+    from presto_sd.app.bench.stats import table_rows
+    from tests.conftest import make_engines
+
+    adapter, _ = trained
+    verifier, drafter = make_engines(target)
+    verifier = verifier_for(target, adapter)
+    self_drafter = SelfDrafter(adapter.config.block, 32, (0, 2))
+    prompts = [BenchPrompt("alpha", f"p{i}", tuple(p)) for i, p in enumerate(PROMPTS)]
+    methods = ("ar", "linear", "self-linear", "self-marginal", "self-presto-best-first")
+    params = GenerationParams(tree=TreeParams(depth=4), max_new_tokens=20)
+    config = BenchConfig(methods, (4,), params, warmup=False)
+    measured = run_bench(verifier, drafter, prompts, config, progress=False, self_drafter=self_drafter)
+    rows = {(r["method"], r["budget"]): r for r in table_rows(measured, True) if r["dataset"] == "alpha"}
+    assert all(rows[(m, b)]["ar_equal"] == 1.0 for m, b in rows)  # lossless, every row
+    assert rows[("self-linear", None)]["tau"] > 1.2
+    replayed, _ = replay_bench(verifier, drafter, prompts, config, progress=False, self_drafter=self_drafter)
+    real = {(r.prompt_id, r.method, r.budget): r for r in measured}
+    same = [[(x.accepted, x.tree_size) for x in r.rounds]
+            == [(x.accepted, x.tree_size) for x in real[(r.prompt_id, r.method, r.budget)].rounds]
+            for r in replayed if r.method.startswith("self-")]
+    assert len(same) == 9 and all(same)
+
+
+def test_the_mode_is_embedded_only(tmp_path):
+    """Chains are not on the wire, and served engines refuse ``--drafter self``: each says why."""
+    from presto_sd.embedded.stack import drafter_assets
+    from presto_sd.engine.verifier import VerifyCall
+    from verifier_service import wire
+
+    with pytest.raises(InvalidArgumentError, match="not on the wire"):
+        wire.verify_call_to_pb(VerifyCall("s", 3, TREE, chains=MaskChains((0,), 2)))
+    assert wire.verify_call_to_pb(VerifyCall("s", 3, TREE)).tree  # without chains: as before
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ValueError, match="runs embedded"):
+        drafter_assets(None, f"self:{tmp_path / 'a'}")
+    with pytest.raises(FileNotFoundError, match="no adapter dir"):
+        drafter_assets(None, f"self:{tmp_path / 'missing'}")

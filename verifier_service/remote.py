@@ -13,6 +13,7 @@ from presto_sd.engine.messages import EngineError, VerifierUnavailableError
 from presto_sd.engine.verifier import (
     BatchAnswer,
     BatchCall,
+    MaskChains,
     PrefillCall,
     PrefillResult,
     Verifier,
@@ -69,9 +70,10 @@ class RemoteVerifier(Verifier):
         return wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
 
     def verify(
-        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False,
+        chains: MaskChains | None = None,
     ) -> VerifyResult:
-        request = wire.verify_call_to_pb(VerifyCall(session_id, base, tree, want_node_probs))
+        request = wire.verify_call_to_pb(VerifyCall(session_id, base, tree, want_node_probs, chains))
         return wire.verify_result_from_pb(self.rpc.call(self.stub.Verify, request, self.timeout_s))
 
     def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from presto_pb.v1 import verifier_pb2 as pb
-from presto_sd.engine.messages import EngineError, UnavailableError
+from presto_sd.engine.messages import EngineError, InvalidArgumentError, UnavailableError
 from presto_sd.engine.verifier import (
     BatchAnswer,
     BatchCall,
@@ -89,6 +89,9 @@ def verify_result_from_pb(msg: pb.VerifyResponse) -> VerifyResult:
 
 
 def verify_call_to_pb(c: VerifyCall) -> pb.VerifyRequest:
+    if c.chains is not None:  # the next block would have to come back through the drafter's client
+        raise InvalidArgumentError("verify.chains: self-speculative mask rows are not on the wire; the mode "
+                                   "runs embedded (presto-sd generate/bench --drafter self)")
     return pb.VerifyRequest(
         session=session_ref_to_pb(c.session_id, c.base), tree=tree_to_pb(c.tree),
         want_node_probs=c.want_node_probs,

@@ -86,7 +86,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     add_model_args(p, "a transformers dir, a .gguf file or a hub id (default: SmolLM2-135M-Instruct)",
                    "DFlash drafter dir or hub id owner/name (default: the shipped SmolLM2 one; "
-                   "'random' = untrained)")
+                   "'random' = untrained; 'self' or 'self:DIR' = self-speculative: the target drafts "
+                   "its own trees at mask rows, with the shipped or DIR's adapter)")
 
 
 def add_client_args(g: argparse._ArgumentGroup, prefix: str = "", what: str = "the servers") -> None:

@@ -80,6 +80,9 @@ def self_drafter_engine(verifier: HFVerifier, adapter_dir: Path, assets: Drafter
 
 def drafter_assets(target: str | None, drafter: str | None) -> DrafterAssets:
     """The drafter directory ``--drafter`` names for ``--target`` (the shipped one by default)."""
+    if self_draft_dir(drafter) is not None:  # build_embedded reads it; the served engines do not
+        raise ValueError(f"--drafter {drafter}: the self-speculative mode runs embedded (generate, bench), "
+                         "not as served engines: its drafts come back inside the verify forward")
     return DrafterAssets.read(resolve_drafter(drafter, target).path)
 
 

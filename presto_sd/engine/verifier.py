@@ -139,9 +139,12 @@ class Verifier(ABC):
 
     @abstractmethod
     def verify(
-        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False
+        self, session_id: str, base: int, tree: TokenTree, want_node_probs: bool = False,
+        chains: MaskChains | None = None,
     ) -> VerifyResult:
-        """One target forward over every tree node; sample-and-match; commit the path."""
+        """One target forward over every tree node; sample-and-match; commit the path.
+        ``chains``: self-speculative mask rows (refused, INVALID_ARGUMENT, where there is no
+        adapter); their draft of the next block comes back in ``delta.next_block``."""
 
     def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
         """Verify several sessions' trees, and prefill new sessions' prompts (``PrefillCall``);
@@ -157,7 +160,7 @@ class Verifier(ABC):
                 if isinstance(c, PrefillCall):
                     out.append(self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart))
                 else:
-                    out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs))
+                    out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs, c.chains))
             except EngineError as e:
                 out.append(answer_of(e))
         return out

@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="llama-cpp: the GGUF file llama.cpp decodes (default: the target's own, where the "
                         "target is a .gguf or the default SmolLM2); the row is skipped, saying why, where "
                         "llama-cpp-python is not installed (pip install -e '.[peers]')")
+    w.add_argument("--self-draft", default=None, metavar="DIR",
+                   help="the self-draft adapter the self-* methods run with (self-linear, self-marginal, "
+                        "self-presto-best-first, ...: each method in the self-speculative mode, beside "
+                        "the drafter's rows; default: the shipped adapter)")
     w.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up generations")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--replay", action="store_true",
@@ -72,6 +76,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p, "as for generate (default: SmolLM2-135M-Instruct)",
                    "as for generate ('random' = untrained)")
     p.set_defaults(run=run)
+
+
+def self_draft_for(args: argparse.Namespace) -> str | None:
+    """The adapter dir the self-* methods need: ``--self-draft``, else the shipped one; None
+    when no self-* method runs."""
+    from presto_sd.app.bench.methods import SELF
+    from presto_sd.embedded.stack import DEFAULT_SELF_DRAFT
+
+    if not any(m.startswith(SELF) for m in csv(args.methods)):
+        return None
+    path = Path(args.self_draft) if args.self_draft else DEFAULT_SELF_DRAFT
+    if not path.is_dir():
+        raise SystemExit(f"presto-sd bench: the self-* methods need a self-draft adapter: no dir {path} "
+                         "(presto-sd train self-draft makes one; --self-draft DIR)")
+    return str(path)
 
 
 def load_bench_prompts(args: argparse.Namespace) -> list:
@@ -130,14 +149,16 @@ def run(args: argparse.Namespace) -> int:
 
     from presto_sd.app.bench.report import command_line, machine_info
     from presto_sd.app.bench.runner import BenchPrompt, bench
-    from presto_sd.embedded.stack import build_embedded
+    from presto_sd.embedded.stack import build_embedded, self_drafter_engine
     from presto_sd.models.loading import encode_messages, parse_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_bench_prompts(args)
+    self_dir = self_draft_for(args)
     stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder,
-                           weights=args.weights)
+                           weights=args.weights, self_draft=self_dir)
+    self_drafter = self_drafter_engine(stack.verifier, Path(self_dir), stack.assets) if self_dir else None
     config = bench_config(args, stack.verifier.eos_token_ids, stack.drafter.info())
     chat = not args.no_chat
     encoded = [BenchPrompt(p.dataset, p.id, tuple(encode_messages(stack.tokenizer, p.messages, chat)))
@@ -146,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "command": command_line(),
         "target": info.model,
-        "drafter": stack.assets.name,
+        "drafter": stack.drafter.info().name or "random",
+        "self_draft": self_dir,
         "machine": machine_info(info.device, info.dtype),
         "decoder": "owned" if stack.verifier.owned is not None else "transformers",
         "weights": args.weights,
@@ -155,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
     if args.replay:
         from presto_sd.app.bench.replay_cli import run_replay
 
-        return run_replay(args, stack, encoded, config, out, meta)
-    result = bench(stack.verifier, stack.drafter, encoded, config, out, meta, progress=not args.no_progress)
+        return run_replay(args, stack, encoded, config, out, meta, self_drafter)
+    result = bench(stack.verifier, stack.drafter, encoded, config, out, meta, progress=not args.no_progress,
+                   self_drafter=self_drafter)
     from presto_sd.app.bench.report import markdown_table
 
     print(markdown_table(result["rows"]))

@@ -26,6 +26,7 @@ class BenchContext:
     lookup_tokens: int = 10  # hf-prompt-lookup: prompt_lookup_num_tokens
     gguf: str | None = None  # llama-cpp: the GGUF file it decodes
     threads: int = 1  # llama-cpp: its threads (the bench's torch threads)
+    self_drafter: Drafter | None = None  # self-*: the self-speculative mode (the verifier has the adapter)
 
 
 MethodFn = Callable[[BenchContext, list[int], GenerationParams], GenerationResult]
@@ -38,7 +39,7 @@ class BenchMethod:
     budgeted: bool  # swept over the budgets; else run once, budget recorded as None
     needs_drafter: bool
     describe: Callable[[BenchContext, GenerationParams], dict[str, Any]] = lambda ctx, p: {}
-
+    core: str | None = None  # the presto-sd method it runs (``METHODS``); None: a peer
 
 REGISTRY: dict[str, BenchMethod] = {}
 
@@ -46,9 +47,10 @@ REGISTRY: dict[str, BenchMethod] = {}
 def register_method(
     name: str, *, budgeted: bool, needs_drafter: bool = False,
     describe: Callable[[BenchContext, GenerationParams], dict[str, Any]] | None = None,
+    core: str | None = None,
 ) -> Callable[[MethodFn], MethodFn]:
     def deco(fn: MethodFn) -> MethodFn:
-        REGISTRY[name] = BenchMethod(name, fn, budgeted, needs_drafter, describe or (lambda c, p: {}))
+        REGISTRY[name] = BenchMethod(name, fn, budgeted, needs_drafter, describe or (lambda c, p: {}), core)
         return fn
 
     return deco
@@ -60,7 +62,7 @@ def get_method(name: str) -> BenchMethod:
     return REGISTRY[name]
 
 
-@register_method("ar", budgeted=METHODS["ar"].budgeted)
+@register_method("ar", budgeted=METHODS["ar"].budgeted, core="ar")
 def run_ar(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
     """Plain AR decoding by the same verifier engine: the baseline."""
     return generate(ctx.verifier, None, prompt_ids, replace(params, method="ar"))
@@ -102,9 +104,48 @@ def _describe(m: Method) -> Callable[[BenchContext, GenerationParams], dict[str,
     return _tree_describe
 
 
+SELF = "self-"  # self-<method>: the method in the self-speculative mode (docs/self_speculative.md)
+
+
+def _self_method(name: str) -> MethodFn:
+    def run(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
+        if ctx.self_drafter is None:
+            raise ValueError(f"bench method {SELF + name!r} needs a self-draft adapter (--self-draft DIR)")
+        return generate(ctx.verifier, ctx.self_drafter, prompt_ids, self_params(ctx, params, name))
+
+    run.__name__ = f"run_self_{name.replace('-', '_')}"
+    return run
+
+
+def self_params(ctx: BenchContext, params: GenerationParams, name: str) -> GenerationParams:
+    """``params`` for the self mode: a rho it offers (h_phi reads a dedicated drafter's states,
+    so ngram stands in) and the default lambdas (the fitted ones are the drafter's)."""
+    tree = params.tree
+    offered = ctx.self_drafter.info().rho_providers if ctx.self_drafter is not None else ()
+    if tree.rho not in offered and tree.rho != "marginal":
+        tree = replace(tree, rho="ngram", lambdas=(1.0,))
+    return replace(params, method=name, tree=tree)
+
+
+def _self_describe(m: Method) -> Callable[[BenchContext, GenerationParams], dict[str, Any]]:
+    inner = _describe(m)
+
+    def describe(ctx: BenchContext, params: GenerationParams) -> dict[str, Any]:
+        info = ctx.self_drafter.info() if ctx.self_drafter is not None else None
+        out = {**inner(ctx, self_params(ctx, params, m.name)), "mode": "self"}
+        if info is not None:
+            out["adapter"], out["chains_depth"] = info.name, min(params.tree.depth, info.block_size - 1)
+        return out
+
+    return describe
+
+
 # not swept over --budgets: linear drafts the whole block (its size is the depth) and taps
 # picks its own budget every round, up to --taps-cap
 for _m in METHODS.values():
     if _m.needs_drafter:
-        register_method(_m.name, budgeted=_m.budgeted and not _m.sizes_itself, needs_drafter=True,
-                        describe=_describe(_m))(_tree_method(_m.name))
+        budgeted = _m.budgeted and not _m.sizes_itself
+        register_method(_m.name, budgeted=budgeted, needs_drafter=True, describe=_describe(_m),
+                        core=_m.name)(_tree_method(_m.name))
+        register_method(SELF + _m.name, budgeted=budgeted, describe=_self_describe(_m),
+                        core=_m.name)(_self_method(_m.name))

@@ -17,26 +17,34 @@ depth: what a tree holding all top-K combinations would accept).
 
 Timing-driven methods (``taps``, whose budgets follow the verify cost it observes) and
 sampling have no replay: the oracle's verify costs nothing and knows one continuation.
+
+The self-speculative mode (``self-*`` methods) replays too: on the recorded continuation
+the chain after position ``q`` sees exactly the context it sees online (greedy commits the
+recording), so ``self_draft_blocks`` drafts every position's chain in one teacher-forced
+pass (the training arithmetic, ``mask_chain_forward``: the serving kernels' values within
+rounding), and the oracle hands the one after the walk's last node back as the round's
+``next_block``, as the verify forward does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from presto_sd.app.bench.methods import BenchContext
+from presto_sd.app.bench.methods import SELF, BenchContext
 from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, Job, run_one
 from presto_sd.app.bench.stats import RunLog
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, SessionNotFoundError, check_base
-from presto_sd.engine.verifier import PrefillResult, Verifier, VerifierInfo, VerifyResult
+from presto_sd.engine.verifier import MaskChains, PrefillResult, Verifier, VerifierInfo, VerifyResult
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.builders import TreeParams
+from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree
 
 # Methods whose rounds depend on measured time, not only on trees and tokens.
@@ -90,6 +98,8 @@ class OracleVerifier(Verifier):
     recording: Recording
     target_info: VerifierInfo
     bases: dict[str, int] = field(default_factory=dict)  # session -> committed length
+    # self-* methods: the chain drafted after each position of the recording
+    chain_blocks: dict[int, DraftMarginals] = field(default_factory=dict)
 
     def info(self) -> VerifierInfo:
         return self.target_info
@@ -113,7 +123,8 @@ class OracleVerifier(Verifier):
         self.bases[session_id] = len(r.prompt)
         return PrefillResult(r.continuation[0], self._delta(0, len(r.prompt)), len(r.prompt))
 
-    def verify(self, session_id, base, tree: TokenTree, want_node_probs=False) -> VerifyResult:
+    def verify(self, session_id, base, tree: TokenTree, want_node_probs=False,
+               chains: MaskChains | None = None) -> VerifyResult:
         if session_id not in self.bases:
             raise SessionNotFoundError(f"replay: unknown session {session_id!r}")
         check_base(session_id, self.bases[session_id], base)
@@ -131,6 +142,11 @@ class OracleVerifier(Verifier):
             node = child
         new_base = base + len(accepted) + 1
         delta = self._delta(base, new_base)
+        block = self.chain_blocks.get(new_base - 1)  # none past the recording: a root-only round next
+        if chains is not None and path[-1] in chains.after and block is not None:
+            d, k = chains.depth, chains.top_k
+            delta = replace(delta, next_block=DraftMarginals(block.token_ids[:d, :k], block.log_probs[:d, :k],
+                                                             block.entropy[:d]))
         self.bases[session_id] = new_base
         return VerifyResult(tuple(accepted), seq[new_base], delta, new_base, None, tuple(path))
 
@@ -139,7 +155,33 @@ class OracleVerifier(Verifier):
 
 
 def replay_jobs(config: BenchConfig) -> list[Job]:
-    return [j for j in config.jobs() if j.method not in NOT_REPLAYABLE and j.method != "ar"]
+    return [j for j in config.jobs()
+            if j.method.removeprefix(SELF) not in NOT_REPLAYABLE and j.method != "ar"]
+
+
+@torch.no_grad()
+def self_draft_blocks(verifier, recording: Recording, first: int, n: int, depth: int,
+                      top_k: int, chunk: int = 64) -> dict[int, DraftMarginals]:
+    """The chain of ``depth`` mask rows after each position ``first .. first + n - 1`` of the
+    recording, teacher-forced in one target pass (``verifier``: an ``HFVerifier`` with a
+    self-draft adapter): position -> its top-``top_k`` marginals."""
+    from presto_sd.models.self_draft import mask_chain_forward
+
+    model, adapter = verifier.model, verifier.adapter
+    last = min(first + n, len(recording.tokens) - 1)
+    ids = torch.tensor([recording.tokens[:last]], device=model.device)
+    cache = model.get_decoder()(input_ids=ids, use_cache=True).past_key_values
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    out: dict[int, DraftMarginals] = {}
+    for start in range(first, last, chunk):
+        hang = torch.arange(start, min(start + chunk, last), device=model.device)
+        hidden = mask_chain_forward(model, adapter, kv, hang[None], depth)[0]
+        logp = torch.log_softmax(verifier._logits(hidden), dim=-1).view(len(hang), depth, -1)
+        top = torch.topk(logp, top_k, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        for i, q in enumerate(hang.tolist()):
+            out[q] = DraftMarginals(top.indices[i].cpu(), top.values[i].cpu(), entropy[i].cpu())
+    return out
 
 
 def replay_bench(
@@ -149,9 +191,11 @@ def replay_bench(
     config: BenchConfig,
     progress: bool = True,
     recordings: dict[str, Recording] | None = None,
+    self_drafter: Drafter | None = None,
 ) -> tuple[list[RunLog], dict[str, Recording]]:
     """Every replayable job of ``config`` on every prompt; one ``RunLog`` each (its times are
-    the drafter's alone: the oracle's verify costs nothing)."""
+    the drafter's alone: the oracle's verify costs nothing). ``self_drafter``: the self-*
+    jobs' (``verifier`` then carries the adapter that drafts their chains)."""
     if not config.greedy:
         raise ValueError("replay: greedy only (--temperature 0)")
     jobs = replay_jobs(config)
@@ -167,7 +211,15 @@ def replay_bench(
             if key not in recordings or len(recordings[key].continuation) < needed:  # none, or too short
                 recordings[key] = record(verifier, prompt.token_ids, needed)
             bar.update()
-            ctx = BenchContext(OracleVerifier(recordings[key], verifier.info()), drafter)
+            oracle = OracleVerifier(recordings[key], verifier.info())
+            if any(j.method.startswith(SELF) for j in jobs):
+                if self_drafter is None:
+                    raise ValueError("replay: the self-* methods need a self-draft adapter (--self-draft)")
+                chain = min(depth, self_drafter.info().block_size - 1)
+                oracle.chain_blocks = self_draft_blocks(verifier, recordings[key], len(prompt.token_ids) - 1,
+                                                        config.params.max_new_tokens + depth + 1, chain,
+                                                        config.params.tree.top_k)
+            ctx = BenchContext(oracle, drafter, self_drafter=self_drafter)
             for job in jobs:
                 logs.append(run_one(ctx, prompt, job, config.job_params(job, i)))
                 bar.update()

@@ -32,13 +32,14 @@ def _recordings_path(args: argparse.Namespace, info, prompts: list[BenchPrompt])
 
 
 def run_replay(args: argparse.Namespace, stack, prompts: list[BenchPrompt], config: BenchConfig,
-               out: Path, meta: dict[str, Any]) -> int:
+               out: Path, meta: dict[str, Any], self_drafter=None) -> int:
     info = stack.verifier.info()
     rec_path = _recordings_path(args, info, prompts)
     recordings = load_recordings(rec_path) if rec_path.exists() else {}
     t0 = time.perf_counter()
     logs, recordings = replay_bench(stack.verifier, stack.drafter, prompts, config,
-                                    progress=not args.no_progress, recordings=recordings)
+                                    progress=not args.no_progress, recordings=recordings,
+                                    self_drafter=self_drafter)
     save_recordings(rec_path, recordings)
     t1 = time.perf_counter()
     rows = replay_rows(logs)

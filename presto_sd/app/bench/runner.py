@@ -79,7 +79,8 @@ class BenchConfig:
     def job_params(self, job: Job, seed_offset: int) -> GenerationParams:
         p = self.params
         tree = p.tree if job.budget is None else replace(p.tree, budget=job.budget)
-        method = METHODS.get(job.method)  # None: a peer (hf-prompt-lookup), not one of ours
+        core = get_method(job.method).core
+        method = METHODS.get(core) if core is not None else None  # None: a peer (hf-prompt-lookup)
         if method is not None and method.sizes_itself:
             tree = replace(tree, budget=self.taps_cap, rho=self.taps_rho or tree.rho)
         elif job.budget is None and (method is None or method.needs_drafter):
@@ -95,15 +96,18 @@ def run_bench(
     prompts: Sequence[BenchPrompt],
     config: BenchConfig,
     progress: bool = True,
+    self_drafter: Drafter | None = None,
 ) -> list[RunLog]:
-    """Decode every prompt with every job; returns one ``RunLog`` per (prompt, job)."""
+    """Decode every prompt with every job; returns one ``RunLog`` per (prompt, job).
+    ``self_drafter``: the self-* jobs' (the verifier carries its adapter)."""
     if not prompts:
         raise ValueError("bench: no prompts")
     jobs = config.jobs()
     for job in jobs:
         if get_method(job.method).needs_drafter and drafter is None:
             raise ValueError(f"bench method {job.method!r} needs a drafter")
-    ctx = BenchContext(verifier, drafter, config.lookup_tokens, config.gguf, torch.get_num_threads())
+    ctx = BenchContext(verifier, drafter, config.lookup_tokens, config.gguf, torch.get_num_threads(),
+                       self_drafter)
     if config.warmup:
         warm = replace(config.params, max_new_tokens=min(WARMUP_TOKENS, config.params.max_new_tokens))
         for name in dict.fromkeys(j.method for j in jobs):
@@ -144,6 +148,7 @@ def bench(
     out: Path,
     meta: dict[str, Any],
     progress: bool = True,
+    self_drafter: Drafter | None = None,
 ) -> dict[str, Any]:
     """Run the bench and write ``out/``: results.json, results.md, runs.jsonl, the PNGs.
 
@@ -151,7 +156,7 @@ def bench(
     config fields are added. Returns the results.json object."""
     from presto_sd.app.bench import plots, report
 
-    runs = run_bench(verifier, drafter, prompts, config, progress)
+    runs = run_bench(verifier, drafter, prompts, config, progress, self_drafter)
     rows = table_rows(runs, config.greedy)
     p = config.params
     meta = {
