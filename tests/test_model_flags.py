@@ -50,3 +50,22 @@ def test_generate_refuses_the_decoder_for_remote_engines():
     r = subprocess.run([sys.executable, "-m", "presto_sd.app.cli", "generate", "hi", "--verifier-addr",
                         "127.0.0.1:1", "--decoder", "owned"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--decoder sets embedded engines" in r.stderr
+
+
+def test_drafter_self_builds_the_self_speculative_stack(tiny_target_dir, tmp_path):
+    """``--drafter self:DIR``: the verifier carries DIR's adapter, the drafter is a SelfDrafter,
+    and a generation through it is the AR one (``--self-chains`` reaches the drafter)."""
+    from presto_sd.embedded.self_drafter import SelfDrafter
+    from presto_sd.loop.generate import GenerationParams, generate
+    from presto_sd.models.self_draft import SelfDraftAdapter
+
+    model = build_embedded(str(tiny_target_dir), "random", dtype=torch.float32).verifier.model
+    SelfDraftAdapter.for_model(model, block=3, rank=2).save(tmp_path / "adapter")
+    stack = build_embedded(str(tiny_target_dir), f"self:{tmp_path / 'adapter'}", dtype=torch.float32,
+                           self_chains=2)
+    assert isinstance(stack.drafter, SelfDrafter) and stack.drafter.max_chains == 2
+    assert stack.verifier.info().self_draft_block == 3
+    prompt = stack.tokenizer("Hello there")["input_ids"]
+    ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
+    out = generate(stack.verifier, stack.drafter, prompt, GenerationParams(max_new_tokens=12))
+    assert out.token_ids == ar.token_ids

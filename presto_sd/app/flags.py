@@ -44,6 +44,9 @@ def add_tree_args(g: argparse._ArgumentGroup) -> None:
                    help="presto-beam: children per frontier path")
     g.add_argument("--beam", type=int, default=TreeParams.beam,
                    help="presto-beam: frontier paths kept per depth")
+    g.add_argument("--self-chains", type=int, default=0,
+                   help="self-speculative mode: mask chains per verify forward, after the tree's first N "
+                        "nodes (default 0: after every node, so any accepted prefix has its next draft)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, greedy_help: str = "0 (or below 1e-5) = greedy") -> None:

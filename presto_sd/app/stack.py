@@ -63,7 +63,7 @@ def embedded_stack(args: argparse.Namespace) -> Stack:
     from presto_sd.models.loading import parse_dtype
 
     s = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder,
-                       weights=args.weights)
+                       weights=args.weights, self_chains=getattr(args, "self_chains", 0) or None)
     return Stack(s.verifier, s.drafter, s.tokenizer)
 
 

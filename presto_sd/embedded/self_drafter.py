@@ -206,6 +206,8 @@ class SelfDrafter(Drafter):
     def _build(self, s: _SelfSession, c: DraftCall, rho: RhoProvider | None,
                sizes_itself: bool) -> DraftResult:
         depth = max(1, min(c.params.depth, self.block))
+        if get_method(c.method).budgeted and not sizes_itself:  # a tree of B nodes is <= B deep:
+            depth = min(depth, max(1, c.params.budget))  # longer chains would draft unused rows
         block = s.next_block
         t0 = time.perf_counter()
         if block is None:  # nothing drafted for this anchor: the root alone, and a chain after it

@@ -177,10 +177,12 @@ def build_embedded(
     decoder: str = "auto",
     weights: str = "dense",
     self_draft: str | None = None,
+    self_chains: int | None = None,
 ) -> EmbeddedStack:
     """Verifier and drafter in this process, sharing one copy of the target. ``drafter``
-    ``self`` / ``self:DIR``: the self-speculative mode. ``self_draft`` (a dir): the adapter
-    on the verifier beside a DFlash drafter (the bench runs both modes on one target)."""
+    ``self`` / ``self:DIR``: the self-speculative mode (``self_chains``: its chains per
+    forward, None after every node). ``self_draft`` (a dir): the adapter on the verifier
+    beside a DFlash drafter (the bench runs both modes on one target)."""
     adapter_dir = self_draft_dir(drafter)
     assets = drafter_assets(target, None if adapter_dir is not None else drafter)
     model, tok = load_target(target, device, weights_dtype(weights, dtype))
@@ -190,6 +192,6 @@ def build_embedded(
         adapter = SelfDraftAdapter.load(adapter_dir, model.dtype).to(model.device)
     verifier = verifier_engine(model, tok, target, assets, decoder=decoder, weights=weights, adapter=adapter)
     if self_draft_dir(drafter) is not None:
-        return EmbeddedStack(verifier, self_drafter_engine(verifier, adapter_dir, assets), tok,
-                             DrafterAssets.read(None))
+        return EmbeddedStack(verifier, self_drafter_engine(verifier, adapter_dir, assets, self_chains), tok,
+                             assets)
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

@@ -158,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
     self_dir = self_draft_for(args)
     stack = build_embedded(args.target, args.drafter, dtype=parse_dtype(args.dtype), decoder=args.decoder,
                            weights=args.weights, self_draft=self_dir)
-    self_drafter = self_drafter_engine(stack.verifier, Path(self_dir), stack.assets) if self_dir else None
+    self_drafter = None
+    if self_dir:
+        chains = args.self_chains or None
+        self_drafter = self_drafter_engine(stack.verifier, Path(self_dir), stack.assets, chains)
     config = bench_config(args, stack.verifier.eos_token_ids, stack.drafter.info())
     chat = not args.no_chat
     encoded = [BenchPrompt(p.dataset, p.id, tuple(encode_messages(stack.tokenizer, p.messages, chat)))
