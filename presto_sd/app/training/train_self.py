@@ -173,9 +173,9 @@ def train_self_draft(cfg: SelfTrainConfig, model=None, sequences: list[Sequence]
         opt.load_state_dict(state["opt"])
         step, wall = state["step"], state["wall_s"]
         rng.setstate(state["rng"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup, cfg.steps))
-    for _ in range(step):  # a resumed run: the schedule where it stopped
-        sched.step()
+    # a resumed run: the schedule where it stopped (the optimizer's state holds initial_lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup, cfg.steps),
+                                              last_epoch=step - 1)
     t_start = time.perf_counter()
     with log_path.open("a") as log:
         while step < cfg.steps:
