@@ -27,6 +27,7 @@ from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree
+from presto_sd.models.self_draft import CONFIG_FILE as CONFIG
 from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward
 from tests.conftest import hf_greedy, in_dtype, tiny_llama
 
@@ -197,9 +198,16 @@ def test_adapter_files_round_trip_and_a_dir_without_weights_is_refused(target, t
     loaded = SelfDraftAdapter.load(tmp_path / "a")
     for k, v in adapter.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16).float())  # stored in bf16
+    from presto_sd.models.assets import write_digests
+
+    write_digests(tmp_path / "a")
+    config = tmp_path / "a" / CONFIG
+    config.write_text(config.read_text().replace('"rank": 4', '"rank": 4 '))
+    with pytest.raises(ValueError, match="self_draft.json missing or differing"):
+        SelfDraftAdapter.load(tmp_path / "a")  # an edited file: refused
     (tmp_path / "a" / "adapter.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="adapter.safetensors"):
-        SelfDraftAdapter.load(tmp_path / "a")
+        SelfDraftAdapter.load(tmp_path / "a")  # no weights: refused, never a fresh adapter
 
 
 def test_adapter_training_lowers_the_loss(target, trained):

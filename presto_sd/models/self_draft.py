@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from presto_sd.models.assets import DIGESTS_FILE, file_digests
+
 # every linear of a Llama-family layer, as named under the layer
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -107,6 +109,13 @@ class SelfDraftAdapter(nn.Module):
             if not f.is_file():
                 raise FileNotFoundError(f"{path}: no {f.name} (not a self-draft adapter dir: "
                                         "`presto-sd train self-draft --out DIR` makes one)")
+        digests = path / DIGESTS_FILE  # a shipped dir: its files are the ones it names
+        if digests.exists():
+            want, have = json.loads(digests.read_text()), file_digests(path)
+            bad = sorted(f for f, d in want.items() if have.get(f) != d)
+            if bad:
+                raise ValueError(f"self-draft adapter {path}: {', '.join(bad)} missing or differing from "
+                                 f"{DIGESTS_FILE} (a partial checkout, an edit, or Git LFS pointers)")
         raw = json.loads(cfg_file.read_text())
         shapes = {name: tuple(s) for name, s in raw.pop("shapes").items()}
         adapter = cls(SelfDraftConfig(**raw), shapes)

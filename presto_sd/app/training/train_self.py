@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
+from presto_sd.models.assets import write_digests
 from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward
 
 
@@ -205,6 +206,7 @@ def train_self_draft(cfg: SelfTrainConfig, model=None, sequences: list[Sequence]
               "train_tokens": sum(len(ids) for ids, _ in train),
               "heldout": evaluate(model, adapter, heldout, cfg)}
     (out / "adapter" / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_digests(out / "adapter")  # what ships is guarded (SelfDraftAdapter.load checks them)
     return out / "adapter"
 
 
