@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from presto_sd.models.invariant import invariant_linear, pick_linear_kernel
 from presto_sd.models.packed import packed_plan, session_attention
-from presto_sd.models.self_draft import LINEARS, SelfDraftAdapter
+from presto_sd.models.self_draft import MaskRowDeltas, SelfDraftAdapter
 
 FAMILY = ("llama", "qwen2", "qwen3")  # model_type values this decoder runs
 
@@ -91,6 +91,7 @@ class LlamaDecoder:
         if adapter is not None:
             adapter.check_target(model)
         self.adapter = adapter
+        self.deltas = MaskRowDeltas(adapter, self.embed.device) if adapter is not None else None
 
     @staticmethod
     def _layer(i: int, layer: torch.nn.Module, linears: Mapping[str, Linear]) -> _Layer:
@@ -123,26 +124,23 @@ class LlamaDecoder:
         rows (their ``input_ids`` are ignored), which the adapter computes."""
         n = input_ids.shape[0]
         h = self.embed[input_ids][None]  # [1, N, H]
-        masked = mask_rows is not None and len(mask_rows) > 0
-        if masked:
-            if self.adapter is None:
+        deltas = None  # the adapter, at mask rows only: every other row is the linears' alone
+        if mask_rows is not None and len(mask_rows) > 0:
+            if self.deltas is None:
                 raise ValueError("mask rows need a self-draft adapter")
-            h[0, mask_rows] = self.adapter.mask_embed.to(h.dtype)
-
-        def lin(i: int, which: int, f: Linear, x: torch.Tensor) -> torch.Tensor:
-            y = f(x)
-            if masked:  # the adapter's delta at mask rows only: the other rows are f's alone
-                y[:, mask_rows] += self.adapter.delta(i, LINEARS[which], x[:, mask_rows]).to(y.dtype)
-            return y
-
+            deltas = self.deltas
+            h[0, mask_rows] = deltas.mask_embed.to(h.dtype)
         cos, sin = self.rotary(h, positions[None])  # [1, N, head_dim], in h's dtype
         cos, sin = cos[:, None], sin[:, None]
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
-            q = lin(i, 0, layer.q, x).view(1, n, self.heads, self.head_dim)
-            k = lin(i, 1, layer.k, x).view(1, n, self.kv_heads, self.head_dim)
-            v = lin(i, 2, layer.v, x).view(1, n, self.kv_heads, self.head_dim)
+            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+            if deltas is not None:
+                deltas.add(i, 0, x, (q, k, v), mask_rows)
+            q = q.view(1, n, self.heads, self.head_dim)
+            k = k.view(1, n, self.kv_heads, self.head_dim)
+            v = v.view(1, n, self.kv_heads, self.head_dim)
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -150,10 +148,20 @@ class LlamaDecoder:
             k = k * cos + _rotate_half(k) * sin
             attn = session_attention(plan, layer.attn, q, k, v, dropout=0.0,
                                      scaling=layer.attn.scaling)  # [1, N, heads, head_dim]
-            h = h + lin(i, 3, layer.o, attn.reshape(1, n, -1))
+            attn = attn.reshape(1, n, -1)
+            o = layer.o(attn)
+            if deltas is not None:
+                deltas.add(i, 1, attn, (o,), mask_rows)
+            h = h + o
             x = self._norm(h, layer.post_norm)
-            gate, up = lin(i, 4, layer.gate, x), lin(i, 5, layer.up, x)
-            h = h + lin(i, 6, layer.down, torch.nn.functional.silu(gate) * up)
+            gate, up = layer.gate(x), layer.up(x)
+            if deltas is not None:
+                deltas.add(i, 2, x, (gate, up), mask_rows)
+            act = torch.nn.functional.silu(gate) * up
+            down = layer.down(act)
+            if deltas is not None:
+                deltas.add(i, 3, act, (down,), mask_rows)
+            h = h + down
             if i in keep_layers:
                 kept[i] = h[0]
         out = self._norm(h, self.final_norm)[0]

@@ -134,6 +134,40 @@ def _key(layer: int, name: str) -> str:
     return f"{layer}_{name.replace('.', '_')}"
 
 
+# LINEARS by the input they share in a layer: q/k/v, o, gate/up, down
+GROUPS = ((0, 1, 2), (3,), (4, 5), (6,))
+
+
+class MaskRowDeltas:
+    """The adapter as the verifier's forward applies it (``llama.LlamaDecoder``): per layer and
+    input group (``GROUPS``) the A matrices stacked, ``[g * rank, in]``, and the scaled B
+    matrices as one block-diagonal ``[g * rank, sum of outs]``: two matmuls a group, fp32
+    (the fast path for these small shapes on a CPU). ``add`` puts a group's deltas into its
+    outputs at the mask rows, in place; other rows are not touched."""
+
+    def __init__(self, adapter: SelfDraftAdapter, device: torch.device) -> None:
+        c = adapter.config
+        self.mask_embed = adapter.mask_embed.detach().to(device)
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device, torch.float32).contiguous()
+
+        self.a = [[w(torch.cat([adapter.lora_a[_key(i, LINEARS[j])] for j in g])).T.contiguous()
+                   for g in GROUPS] for i in range(c.num_layers)]  # [in, g * rank]
+        self.b = [[w(torch.block_diag(*[adapter.lora_b[_key(i, LINEARS[j])].float().T * c.scale for j in g]))
+                   for g in GROUPS] for i in range(c.num_layers)]  # [g * rank, sum of outs]
+
+    def add(self, layer: int, group: int, x: torch.Tensor, outs: Sequence[torch.Tensor],
+            rows: torch.Tensor) -> None:
+        """``x [1, N, in]`` the group's input, ``outs`` its linears' outputs ``[1, N, out]``."""
+        delta = (x[0].index_select(0, rows).float() @ self.a[layer][group]) @ self.b[layer][group]
+        start = 0
+        for out in outs:  # [m, sum of outs]: each output's columns in turn
+            width = out.shape[-1]
+            out[0].index_add_(0, rows, delta[:, start : start + width].to(out.dtype))
+            start += width
+
+
 # ----------------------------------------------------------------------------- training
 
 
