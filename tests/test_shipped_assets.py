@@ -91,3 +91,44 @@ def test_the_cli_default_method_still_accepts_with_the_shipped_assets():
     logs, _ = replay_bench(built.verifier, built.drafter, prompts, config, progress=False)
     (row,) = replay_rows(logs)
     assert row["tau"] >= DEFAULT_METHOD_FLOOR, row
+
+
+def test_every_shipped_self_draft_file_matches_its_digest():
+    """The self-speculative adapter (``--drafter self``) is guarded as the drafter is: it fails
+    (never skips) on an edited, truncated or LFS-pointer file, or one left out."""
+    from presto_sd.embedded.stack import DEFAULT_SELF_DRAFT
+    from presto_sd.models.self_draft import CONFIG_FILE, WEIGHTS_FILE, SelfDraftAdapter
+
+    want = json.loads((DEFAULT_SELF_DRAFT / DIGESTS_FILE).read_text())
+    assert {CONFIG_FILE, WEIGHTS_FILE} <= set(want)
+    assert file_digests(DEFAULT_SELF_DRAFT) == want
+    assert SelfDraftAdapter.load(DEFAULT_SELF_DRAFT).config.block >= 1
+
+
+# Well under what the shipped adapter reaches on these prompts (docs/self_speculative.md): an
+# adapter that drafts nothing useful (tau ~1.0) cannot pass. Measured 2.14 (bf16, 2026-12-05).
+SELF_MODE_FLOOR = 1.5
+
+
+@pytest.mark.smollm2
+def test_the_self_mode_still_accepts_with_the_shipped_adapter():
+    """``--drafter self`` with the CLI's default method and budget, judged by the replay."""
+    from presto_sd.app.bench.replay import replay_bench, replay_rows
+    from presto_sd.app.bench.runner import BenchConfig, BenchPrompt
+    from presto_sd.app.cli import build_parser
+    from presto_sd.app.generate import encode_prompt
+    from presto_sd.app.stack import generation_params
+    from presto_sd.embedded.stack import build_embedded
+
+    args = build_parser().parse_args(["generate", "x", "--max-new-tokens", "48", "--drafter", "self"])
+    built = build_embedded(drafter="self", device=torch.device("cpu"))
+    params = generation_params(args, built.verifier.eos_token_ids, built.drafter.info())
+    texts = ["What is the capital of France? Answer in one sentence.",
+             "Write a Python function that returns the largest of three numbers.",
+             "Tom has 3 boxes with 12 pencils each. He gives away 7 pencils. How many are left?"]
+    prompts = [BenchPrompt("own", str(i), tuple(encode_prompt(built.tokenizer, t, chat=True)))
+               for i, t in enumerate(texts)]
+    config = BenchConfig((f"self-{args.method}",), (args.budget,), params, warmup=False)
+    logs, _ = replay_bench(built.verifier, None, prompts, config, progress=False, self_drafter=built.drafter)
+    (row,) = replay_rows(logs)
+    assert row["tau"] >= SELF_MODE_FLOOR, row
