@@ -142,12 +142,12 @@ class CountingVerifier(HFVerifier):
         super().__init__(*args, **kwargs)
         self.forwards, self.delay_s, self.events = 0, delay_s, []
 
-    def _forward(self, segments, input_ids, positions):
+    def _forward(self, segments, input_ids, positions, mask_rows=()):
         self.forwards += 1
         self.events.append(("step" if len(input_ids) == 1 else "chunk", time.monotonic()))
         if len(input_ids) > 1:
             time.sleep(self.delay_s)
-        return super()._forward(segments, input_ids, positions)
+        return super()._forward(segments, input_ids, positions, mask_rows)
 
 
 def _committed_bytes(kv) -> int:
