@@ -158,7 +158,8 @@ def plot() -> Path:
     fig.suptitle("drafter learning curve (replay, 8 prompts a set, 128 tokens; dotted: the drafter shipped "
                  "until 2026-12-05 morning, size 0 in the data;\nwarm starts from the 2 M, 3000-step point "
                  "on 1.1 M more tokens (stars, 2000 steps: shipped at noon; crosses, 4000 steps, a 16k "
-                 "vocabulary, bf16 training: shipped since 2026-12-05 afternoon);\nthe warm starts' replays "
+                 "vocabulary, bf16 training: shipped that afternoon; P: 4500 more steps, +0.22 M tokens, "
+                 "shipped since 17:50);\nthe warm starts' replays "
                  "are bf16 on an AMD EPYC, the others fp32 on an Intel AMX)", fontsize=9)
     fig.tight_layout(rect=(0, 0.2, 1, 0.92))
     PLOT.parent.mkdir(parents=True, exist_ok=True)
