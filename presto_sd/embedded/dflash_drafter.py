@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from presto_sd.embedded.memory import kv_bytes_per_token
-from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.drafter import CheckedDrafter, DraftCall, DrafterInfo, DraftResult, check_draft_call
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
@@ -25,8 +25,8 @@ from presto_sd.engine.messages import (
     session_tag,
 )
 from presto_sd.engine.sessions import SessionTable
-from presto_sd.method.builders import RoundContext, TreeParams, build_tree
-from presto_sd.method.methods import TREE_METHODS, get_method
+from presto_sd.method.builders import build_tree
+from presto_sd.method.methods import TREE_METHODS
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import (
     ConstantRho,
@@ -57,7 +57,7 @@ class _DraftSession:
         return len(self.tokens)
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(CheckedDrafter):
     def __init__(
         self,
         model: DFlashDraftModel,
@@ -213,20 +213,6 @@ class DFlashDrafter(Drafter):
             out.append(DraftMarginals(ids, top.values, entropy, hidden[r, :d].float()))
         return out
 
-    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
-              context: RoundContext = RoundContext()) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, method, params, context=context))
-
-    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int, method: str,
-                         params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, method, params, commit=delta, context=context))
-
-    def _one(self, call: DraftCall) -> DraftResult:
-        result = self.draft_batch([call])[0]
-        if isinstance(result, EngineError):
-            raise result
-        return result
-
     def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
         """Every valid call's block in ONE drafter forward, then each call's tree.
 
@@ -267,32 +253,8 @@ class DFlashDrafter(Drafter):
     def _check_draft(self, c: DraftCall) -> tuple[_DraftSession, RhoProvider | None, bool, int]:
         """The session, rho, whether the method sizes itself, the depth; or the named error."""
         s = self.sessions.touch(c.session_id)
-        if c.commit is None:
-            check_base(c.session_id, s.base, c.base)
-        else:
-            check_base(c.session_id, s.base, c.commit.start)
-            if c.base != c.commit.end:
-                raise InvalidArgumentError(
-                    f"draft.base = {c.base}: must be the commit's end, {c.commit.end}")
-        if not 0 <= c.anchor < self.vocab_size:
-            raise InvalidArgumentError(f"draft.anchor = {c.anchor}: out of range [0, {self.vocab_size})")
-        params = c.params
-        if params.budget > self.max_budget:
-            raise LimitExceededError(
-                f"tree.budget = {params.budget}: over the drafter's limit {self.max_budget}"
-            )
-        try:
-            rho, method = None, get_method(c.method, "tree.method")
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from None
-        # TAPS may take its acceptance from q itself: rho "marginal"
-        if method.uses_rho and not (method.sizes_itself and params.rho == "marginal"):
-            rho = self.rho_providers.get(params.rho)
-            if rho is None:
-                raise InvalidArgumentError(
-                    f"tree.rho = {params.rho!r}: unknown (have {', '.join(self.rho_providers)})"
-                )
-        return s, rho, method.sizes_itself, min(params.depth, self.config.block_size - 1)
+        method, rho = check_draft_call(c, s.base, self.vocab_size, self.max_budget, self.rho_providers)
+        return s, rho, method.sizes_itself, min(c.params.depth, self.config.block_size - 1)
 
     def _build(self, s: _DraftSession, c: DraftCall, marginals: DraftMarginals,
                rho: RhoProvider | None, sizes_itself: bool, forward_s: float) -> DraftResult:

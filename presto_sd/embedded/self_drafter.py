@@ -21,19 +21,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
+from presto_sd.engine.drafter import CheckedDrafter, DraftCall, DrafterInfo, DraftResult, check_draft_call
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
     InvalidArgumentError,
-    LimitExceededError,
     answer_of,
     check_base,
     session_tag,
 )
 from presto_sd.engine.sessions import SessionTable
 from presto_sd.engine.verifier import MaskChains
-from presto_sd.method.builders import RoundContext, TreeParams, build_tree
+from presto_sd.method.builders import build_tree
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.methods import TREE_METHODS, get_method
 from presto_sd.method.ngram import NGramModel
@@ -73,7 +72,7 @@ def self_round_cost(cost: CostFit, depth: int, max_chains: int | None) -> CostFi
                    per_context_s=cost.per_context_s + cost.per_node_context_s * extra / 1024)
 
 
-class SelfDrafter(Drafter):
+class SelfDrafter(CheckedDrafter):
     def __init__(self, block: int, vocab_size: int, target_layer_ids: Sequence[int],
                  ngram_table: NGramModel | None = None, max_chains: int | None = None,
                  max_sessions: int = 256, name: str = SELF_PREFIX,
@@ -144,20 +143,6 @@ class SelfDrafter(Drafter):
         return s.base
 
     # -- drafting -------------------------------------------------------------------------
-    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
-              context: RoundContext = RoundContext()) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, method, params, context=context))
-
-    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int, method: str,
-                         params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
-        return self._one(DraftCall(session_id, anchor, base, method, params, commit=delta, context=context))
-
-    def _one(self, call: DraftCall) -> DraftResult:
-        result = self.draft_batch([call])[0]
-        if isinstance(result, EngineError):
-            raise result
-        return result
-
     def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:
         """Each call checked whole before its commit applies (a refused call changes nothing)."""
         out: list[DraftResult | EngineError] = []
@@ -179,28 +164,10 @@ class SelfDrafter(Drafter):
 
     def _check_draft(self, c: DraftCall) -> tuple[_SelfSession, RhoProvider | None, bool]:
         s = self.sessions.touch(c.session_id)
-        if c.commit is None:
-            check_base(c.session_id, s.base, c.base)
-        else:
-            check_base(c.session_id, s.base, c.commit.start)
-            if c.base != c.commit.end:
-                raise InvalidArgumentError(f"draft.base = {c.base}: must be the commit's end, {c.commit.end}")
+        method, rho = check_draft_call(c, s.base, self.vocab_size, 1024, self.rho_providers,
+                                       "; h_phi reads a dedicated drafter's hidden states")
+        if c.commit is not None:
             self._check_delta(c.commit)
-        if not 0 <= c.anchor < self.vocab_size:
-            raise InvalidArgumentError(f"draft.anchor = {c.anchor}: out of range [0, {self.vocab_size})")
-        if c.params.budget > 1024:
-            raise LimitExceededError(f"tree.budget = {c.params.budget}: over the drafter's limit 1024")
-        try:
-            method = get_method(c.method, "tree.method")
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from None
-        rho = None
-        if method.uses_rho and not (method.sizes_itself and c.params.rho == "marginal"):
-            rho = self.rho_providers.get(c.params.rho)
-            if rho is None:
-                raise InvalidArgumentError(
-                    f"tree.rho = {c.params.rho!r}: unknown in self-speculative mode (have "
-                    f"{', '.join(self.rho_providers)}; h_phi reads a drafter's hidden states)")
         return s, rho, method.sizes_itself
 
     def _build(self, s: _SelfSession, c: DraftCall, rho: RhoProvider | None,

@@ -10,11 +10,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
+from presto_sd.engine.messages import (
+    EngineError,
+    FeatureDelta,
+    InvalidArgumentError,
+    LimitExceededError,
+    answer_of,
+    check_base,
+)
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.engine.verifier import MaskChains
 from presto_sd.method.builders import RoundContext, TreeParams
-from presto_sd.method.scores import DraftMarginals
+from presto_sd.method.methods import Method, get_method
+from presto_sd.method.scores import DraftMarginals, RhoProvider
 from presto_sd.method.tree import TokenTree
 from presto_sd.models.assets import DrafterDefaults
 
@@ -114,3 +122,52 @@ class Drafter(ABC):
 
     @abstractmethod
     def close(self, session_id: str) -> None: ...
+
+
+class CheckedDrafter(Drafter):
+    """An in-process drafter whose every call goes through ``draft_batch`` (its ``draft`` and
+    ``commit_and_draft`` are a batch of one): one path checks every call."""
+
+    def draft(self, session_id: str, anchor: int, base: int, method: str, params: TreeParams,
+              context: RoundContext = RoundContext()) -> DraftResult:
+        return self._one(DraftCall(session_id, anchor, base, method, params, context=context))
+
+    def commit_and_draft(self, session_id: str, delta: FeatureDelta, anchor: int, base: int, method: str,
+                         params: TreeParams, context: RoundContext = RoundContext()) -> DraftResult:
+        return self._one(DraftCall(session_id, anchor, base, method, params, commit=delta, context=context))
+
+    def _one(self, call: DraftCall) -> DraftResult:
+        result = self.draft_batch([call])[0]
+        if isinstance(result, EngineError):
+            raise result
+        return result
+
+
+def check_draft_call(c: DraftCall, session_base: int, vocab_size: int, max_budget: int,
+                     rho_providers: dict[str, RhoProvider],
+                     rho_hint: str = "") -> tuple[Method, RhoProvider | None]:
+    """What every drafter checks of a draft call before it changes anything: the base (the
+    commit's start, and its end as the draft's base), the anchor, the budget, the method and
+    its rho provider. Returns the method and the rho it scores with (None: it needs none)."""
+    if c.commit is None:
+        check_base(c.session_id, session_base, c.base)
+    else:
+        check_base(c.session_id, session_base, c.commit.start)
+        if c.base != c.commit.end:
+            raise InvalidArgumentError(f"draft.base = {c.base}: must be the commit's end, {c.commit.end}")
+    if not 0 <= c.anchor < vocab_size:
+        raise InvalidArgumentError(f"draft.anchor = {c.anchor}: out of range [0, {vocab_size})")
+    if c.params.budget > max_budget:
+        raise LimitExceededError(f"tree.budget = {c.params.budget}: over the drafter's limit {max_budget}")
+    try:
+        method = get_method(c.method, "tree.method")
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+    rho = None
+    # TAPS may take its acceptance from q itself: rho "marginal"
+    if method.uses_rho and not (method.sizes_itself and c.params.rho == "marginal"):
+        rho = rho_providers.get(c.params.rho)
+        if rho is None:
+            raise InvalidArgumentError(
+                f"tree.rho = {c.params.rho!r}: unknown (have {', '.join(rho_providers)}{rho_hint})")
+    return method, rho
