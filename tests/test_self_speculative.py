@@ -28,7 +28,7 @@ from presto_sd.method.builders import TreeParams
 from presto_sd.method.cost_model import CostFit
 from presto_sd.method.tree import TokenTree
 from presto_sd.models.self_draft import CONFIG_FILE as CONFIG
-from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward
+from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward, real_pass
 from tests.conftest import hf_greedy, in_dtype, tiny_llama
 
 METHODS = ["linear", "marginal", "presto-beam", "presto-best-first", "taps"]
@@ -106,8 +106,7 @@ def test_serving_mask_rows_are_the_training_arithmetic(target):
     # training: the real tokens (prompt + anchor) through the target, a chain after the anchor
     ids = torch.tensor([[*prompt, anchor]])
     with torch.no_grad():
-        cache = target.get_decoder()(input_ids=ids, use_cache=True).past_key_values
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        _, kv = real_pass(target, ids)
         hidden = mask_chain_forward(target, adapter, kv, torch.tensor([[len(prompt)]]), 3)
         logp = torch.log_softmax(target.lm_head(hidden)[0].float(), -1)
     top = torch.topk(logp, 32, dim=-1)

@@ -207,10 +207,10 @@ class DFlashDrafter(CheckedDrafter):
         logp = torch.log_softmax((rows @ self.draft_head.T).float(), dim=-1).view(len(items), depth, -1)
         out = []
         for r, (_, _, d, k) in enumerate(items):
-            top = torch.topk(logp[r, :d], min(k, logp.shape[-1]), dim=-1)
-            entropy = -(logp[r, :d].exp() * logp[r, :d]).sum(-1)
-            ids = self.d2t[top.indices] if self.d2t is not None else top.indices
-            out.append(DraftMarginals(ids, top.values, entropy, hidden[r, :d].float()))
+            m = DraftMarginals.top_of(logp[r, :d], min(k, logp.shape[-1]), hidden[r, :d].float())
+            if self.d2t is not None:  # draft-vocabulary rows -> the target's token ids
+                m = replace(m, token_ids=self.d2t[m.token_ids])
+            out.append(m)
         return out
 
     def draft_batch(self, calls: Sequence[DraftCall]) -> list[DraftResult | EngineError]:

@@ -535,9 +535,7 @@ class HFVerifier(Verifier):
             return None
         first = chains_start + chains.after.index(end) * chains.depth
         logp = torch.log_softmax(self._logits(hidden[first : first + chains.depth]), dim=-1)
-        top = torch.topk(logp, chains.top_k, dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        return DraftMarginals(top.indices.cpu(), top.values.cpu(), entropy.cpu())
+        return DraftMarginals.top_of(logp.cpu(), chains.top_k)
 
     def _commit(
         self, s: _Session, base: int, tree: TokenTree, walk: WalkResult, feats: torch.Tensor,

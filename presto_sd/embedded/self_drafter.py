@@ -181,8 +181,7 @@ class SelfDrafter(CheckedDrafter):
             tree, marginals, scores, raw = TokenTree.root_only(c.anchor), _empty(), (0.0,), ()
         else:
             d = min(depth, block.depth)
-            k = c.params.top_k
-            marginals = DraftMarginals(block.token_ids[:d, :k], block.log_probs[:d, :k], block.entropy[:d])
+            marginals = block.head(d, c.params.top_k)
             measured = c.context
             if sizes_itself and measured.cost is not None:
                 measured = replace(measured, cost=self_round_cost(measured.cost, depth, self.max_chains))

@@ -183,15 +183,15 @@ def build_embedded(
     ``self`` / ``self:DIR``: the self-speculative mode (``self_chains``: its chains per
     forward, None after every node). ``self_draft`` (a dir): the adapter on the verifier
     beside a DFlash drafter (the bench runs both modes on one target)."""
-    adapter_dir = self_draft_dir(drafter)
-    assets = drafter_assets(target, None if adapter_dir is not None else drafter)
+    self_mode = self_draft_dir(drafter)  # the drafter is the target itself
+    assets = drafter_assets(target, None if self_mode is not None else drafter)
     model, tok = load_target(target, device, weights_dtype(weights, dtype))
-    adapter_dir = adapter_dir or (Path(self_draft) if self_draft else None)
+    adapter_dir = self_mode or (Path(self_draft) if self_draft else None)
     adapter = None
     if adapter_dir is not None:
         adapter = SelfDraftAdapter.load(adapter_dir, model.dtype).to(model.device)
     verifier = verifier_engine(model, tok, target, assets, decoder=decoder, weights=weights, adapter=adapter)
-    if self_draft_dir(drafter) is not None:
+    if self_mode is not None:
         return EmbeddedStack(verifier, self_drafter_engine(verifier, adapter_dir, assets, self_chains), tok,
                              assets)
     return EmbeddedStack(verifier, drafter_engine(model, assets), tok, assets)

@@ -41,6 +41,20 @@ class DraftMarginals:
     def top_k(self) -> int:
         return self.token_ids.shape[1]
 
+    @classmethod
+    def top_of(cls, log_probs: torch.Tensor, top_k: int,
+               hidden: torch.Tensor | None = None) -> DraftMarginals:
+        """The top-``top_k`` of full log-probs ``[D, V]`` (one row a depth), and each row's entropy."""
+        top = torch.topk(log_probs, top_k, dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return cls(top.indices, top.values, entropy, hidden)
+
+    def head(self, depth: int, top_k: int) -> DraftMarginals:
+        """The first ``depth`` positions, their best ``top_k`` candidates."""
+        hidden = None if self.hidden is None else self.hidden[:depth]
+        return DraftMarginals(self.token_ids[:depth, :top_k], self.log_probs[:depth, :top_k],
+                              self.entropy[:depth], hidden)
+
 
 @dataclass
 class ScoringContext:

@@ -90,7 +90,6 @@ class LlamaDecoder:
         self.layers = [self._layer(i, layer, linears or {}) for i, layer in enumerate(inner.layers)]
         if adapter is not None:
             adapter.check_target(model)
-        self.adapter = adapter
         self.deltas = MaskRowDeltas(adapter, self.embed.device) if adapter is not None else None
 
     @staticmethod

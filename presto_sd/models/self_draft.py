@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half  # the reference arithmetic
 
 from presto_sd.models.assets import DIGESTS_FILE, file_digests
 
@@ -190,11 +191,20 @@ def chain_attention_mask(hang: torch.Tensor, depth: int, real_len: int) -> torch
     return torch.cat([sees_real, sees_mask[None].expand(b, rows, rows)], dim=-1)[:, None]
 
 
+def real_pass(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The target over real tokens ``ids [B, T]`` as it is (no adapter): its final normed hidden
+    states ``[B, T, H]`` and per layer the keys/values after RoPE ``[B, kv_heads, T, head_dim]``,
+    what ``mask_chain_forward`` attends to."""
+    out = model.get_decoder()(input_ids=ids, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values  # transformers' name, either version
+    return out.last_hidden_state, [(layer.keys, layer.values) for layer in cache.layers]
+
+
 def mask_chain_forward(model, adapter: SelfDraftAdapter, real_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                        hang: torch.Tensor, depth: int) -> torch.Tensor:
     """The final normed hidden states ``[B, A*depth, H]`` of mask chains after ``hang [B, A]``,
-    attending to ``real_kv`` (per layer, the real tokens' keys/values after RoPE, ``[B, kv_heads,
-    T, head_dim]``, from the target's own forward) and to their own chain: in autograd, the
+    attending to ``real_kv`` (``real_pass``: per layer the real tokens' keys/values after RoPE)
+    and to their own chain: in autograd, the
     adapter's parameters the only ones with gradients.
 
     The same arithmetic as the owned decoder's mask rows (``llama.LlamaDecoder``), written
@@ -224,8 +234,8 @@ def mask_chain_forward(model, adapter: SelfDraftAdapter, real_kv: Sequence[tuple
         if getattr(at, "q_norm", None) is not None:
             q, k = at.q_norm(q), at.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         keys = torch.cat([real_kv[i][0].to(k.dtype), k], dim=2)
         values = torch.cat([real_kv[i][1].to(v.dtype), v], dim=2)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=at.scaling,
@@ -237,7 +247,3 @@ def mask_chain_forward(model, adapter: SelfDraftAdapter, real_kv: Sequence[tuple
         h = h + lin(i, LINEARS[6], mlp.down_proj, F.silu(gate) * up)
     return inner.norm(h)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

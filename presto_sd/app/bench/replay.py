@@ -144,9 +144,7 @@ class OracleVerifier(Verifier):
         delta = self._delta(base, new_base)
         block = self.chain_blocks.get(new_base - 1)  # none past the recording: a root-only round next
         if chains is not None and path[-1] in chains.after and block is not None:
-            d, k = chains.depth, chains.top_k
-            delta = replace(delta, next_block=DraftMarginals(block.token_ids[:d, :k], block.log_probs[:d, :k],
-                                                             block.entropy[:d]))
+            delta = replace(delta, next_block=block.head(chains.depth, chains.top_k))
         self.bases[session_id] = new_base
         return VerifyResult(tuple(accepted), seq[new_base], delta, new_base, None, tuple(path))
 
@@ -165,22 +163,18 @@ def self_draft_blocks(verifier, recording: Recording, first: int, n: int, depth:
     """The chain of ``depth`` mask rows after each position ``first .. first + n - 1`` of the
     recording, teacher-forced in one target pass (``verifier``: an ``HFVerifier`` with a
     self-draft adapter): position -> its top-``top_k`` marginals."""
-    from presto_sd.models.self_draft import mask_chain_forward
+    from presto_sd.models.self_draft import mask_chain_forward, real_pass
 
     model, adapter = verifier.model, verifier.adapter
     last = min(first + n, len(recording.tokens) - 1)
-    ids = torch.tensor([recording.tokens[:last]], device=model.device)
-    cache = model.get_decoder()(input_ids=ids, use_cache=True).past_key_values
-    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    _, kv = real_pass(model, torch.tensor([recording.tokens[:last]], device=model.device))
     out: dict[int, DraftMarginals] = {}
     for start in range(first, last, chunk):
         hang = torch.arange(start, min(start + chunk, last), device=model.device)
         hidden = mask_chain_forward(model, adapter, kv, hang[None], depth)[0]
-        logp = torch.log_softmax(verifier._logits(hidden), dim=-1).view(len(hang), depth, -1)
-        top = torch.topk(logp, top_k, dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1)
+        logp = torch.log_softmax(verifier._logits(hidden), dim=-1).view(len(hang), depth, -1).cpu()
         for i, q in enumerate(hang.tolist()):
-            out[q] = DraftMarginals(top.indices[i].cpu(), top.values[i].cpu(), entropy[i].cpu())
+            out[q] = DraftMarginals.top_of(logp[i], top_k)
     return out
 
 

@@ -26,7 +26,7 @@ import torch
 
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
 from presto_sd.models.assets import write_digests
-from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward
+from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward, real_pass
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,10 @@ def chain_loss(model, adapter: SelfDraftAdapter, ids: torch.Tensor, hang: torch.
     """The adapter's loss on chains after ``hang [B, A]`` in the sequences ``ids [B, T]``, and
     its top-1 accuracy per depth (against the target's own argmax at each label position)."""
     with torch.no_grad():  # the real rows: the target as it is, once
-        out = model.get_decoder()(input_ids=ids, use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        real_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        last, real_kv = real_pass(model, ids)
         j = torch.arange(1, block + 1)
         label_pos = (hang[..., None] + j + 1).flatten(1)  # [B, A*block]: the token mask j predicts
         # the target's distribution there is its row at label_pos - 1
-        last = out.last_hidden_state
         rows = torch.gather(last, 1, (label_pos - 1)[..., None].expand(-1, -1, last.shape[-1]))
         target_logp = torch.log_softmax(model.lm_head(rows).float(), dim=-1)
         labels = torch.gather(ids, 1, label_pos)
