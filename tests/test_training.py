@@ -167,6 +167,36 @@ def test_warm_start_with_a_new_token_map(tiny_target_dir, tmp_path):
         train_drafter(TrainConfig(out=str(tmp_path / "none"), revocab=True, steps=1, **common))
 
 
+def test_grown_drafter_starts_as_its_parent(tiny_target_dir, tmp_path):
+    """``grow_layers`` appends layers whose output projections start at zero: the grown
+    drafter's states equal its parent's before a step (lr 0), and the new layers learn."""
+    data = generate_training_data(GenDataConfig(
+        out=str(tmp_path / "data"), target=str(tiny_target_dir), target_layer_ids=(0, 1),
+        sources="arith", n_arith=8, max_new_tokens=16, batch_size=4))
+    common = dict(data=str(data), target=str(tiny_target_dir), num_layers=1, block_size=4,
+                  anchors_per_seq=4, batch_seqs=4, warmup=1, heldout_seqs=1, draft_vocab=64)
+    base = train_drafter(TrainConfig(out=str(tmp_path / "base"), steps=5, lr=3e-3, ckpt_every=5, **common))
+    grown = train_drafter(TrainConfig(out=str(tmp_path / "grown"), steps=1, lr=0.0, ckpt_every=1,
+                                      init_drafter=str(base), grow_layers=1, **common))
+    parent, child = DFlashDraftModel.load(base), DFlashDraftModel.load(grown)
+    assert child.config.num_hidden_layers == parent.config.num_hidden_layers + 1
+    torch.manual_seed(0)
+    feats = torch.randn(1, 6, child.fc.in_features)
+    block = torch.randn(1, 4, child.config.hidden_size)
+    ctx_pos, pos = torch.arange(6)[None], torch.arange(6, 10)[None]
+    with torch.no_grad():
+        want = parent(block, pos, parent.context_kv(feats, ctx_pos))
+        got = child(block, pos, child.context_kv(feats, ctx_pos))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    learned = train_drafter(TrainConfig(out=str(tmp_path / "learned"), steps=3, lr=3e-3, ckpt_every=3,
+                                        init_drafter=str(base), grow_layers=1, **common))
+    new_layer = DFlashDraftModel.load(learned).layers[-1]
+    assert new_layer.self_attn.o_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="grow_layers"):  # nothing to grow
+        train_drafter(TrainConfig(out=str(tmp_path / "none"), grow_layers=1, steps=1,
+                                  **common))
+
+
 def test_shipped_drafter_matches_the_target(smollm2_dir):
     if not (DEFAULT_DRAFTER / "config.json").exists():
         pytest.skip("no drafter shipped yet")

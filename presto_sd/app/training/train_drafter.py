@@ -20,11 +20,12 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from presto_sd.app.training.gen_data import Sequence, load_shards
@@ -65,6 +66,10 @@ class TrainConfig:
     # instead of the drafter's own (its weights do not depend on the map: the head is the
     # target's rows); refused for a drafter with a prefix head, whose rows are the map's
     revocab: bool = False
+    # with init_drafter: append this many decoder layers whose output projections (o_proj,
+    # down_proj) start at zero, so the grown drafter starts as its parent's exact function
+    # (the final norm follows the residual stream) and learns what the extra depth adds
+    grow_layers: int = field(default=0, metadata={"help": "append N zero-init layers to --init-drafter"})
     # weight of the soft-label CE against the target's top-k distribution (restricted to the
     # draft vocabulary, renormalised) beside the hard CE: loss = (1 - w) hard + w soft.
     # Needs shards with soft labels (``train features``); 0 = hard labels only (DFlash).
@@ -255,8 +260,11 @@ def train_drafter(cfg: TrainConfig) -> Path:
     vocab_size = target.config.vocab_size
     eos = [2] if vocab_size > 2 else []
     base = DFlashDraftModel.load(cfg.init_drafter) if cfg.init_drafter else None
+    if cfg.grow_layers and (base is None or cfg.grow_layers < 0):
+        raise ValueError("grow_layers appends layers to an --init-drafter: give it and a count >= 1")
     if base is not None:  # the blocks are the drafter's
-        cfg = replace(cfg, block_size=base.config.block_size, num_layers=base.config.num_hidden_layers)
+        cfg = replace(cfg, block_size=base.config.block_size,
+                      num_layers=base.config.num_hidden_layers + cfg.grow_layers)
     if cfg.prefix_only and (base is None or not cfg.prefix_rank):
         raise ValueError("prefix_only trains a new prefix head on --init-drafter: give it and --prefix-rank")
     if cfg.revocab and (base is None or base.prefix_head is not None):
@@ -273,11 +281,16 @@ def train_drafter(cfg: TrainConfig) -> Path:
     if base is not None:  # its architecture, plus the head asked for
         rank = cfg.prefix_rank or base.config.prefix_head_rank
         reduced = len(d2t) if len(d2t) < vocab_size else None
-        model = DFlashDraftModel(replace(base.config, prefix_head_rank=rank, draft_vocab_size=reduced))
+        model = DFlashDraftModel(replace(base.config, prefix_head_rank=rank, draft_vocab_size=reduced,
+                                         num_hidden_layers=cfg.num_layers))
         # a --prefix-rank asks for a new head: the base's own (if any) is not carried over
         kept = {k: v for k, v in base.state_dict().items()
                 if not (cfg.prefix_rank and k.startswith("prefix_head."))}
         model.load_state_dict(kept, strict=False)
+        if state is None:
+            for layer in model.layers[base.config.num_hidden_layers:]:
+                nn.init.zeros_(layer.self_attn.o_proj.weight)
+                nn.init.zeros_(layer.mlp.down_proj.weight)
         if tuple(meta["target_layer_ids"]) != model.config.target_layer_ids:
             raise ValueError(f"data has target layers {meta['target_layer_ids']}, the drafter reads "
                              f"{model.config.target_layer_ids}")
