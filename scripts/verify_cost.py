@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/verify_cost.py [--dtype bfloat16] [--context 200] [--threads 2]
         [--sizes 1,2,4,8,16,32] [--reps 15] [--shape 4-ary|chain]
-        [--self-draft DIR --chains 4 [--max-chains K]]
+        [--self-draft DIR --chains 4 [--max-chains K]] [--weights dense|gguf-int4]
 
 Opens one ``HFVerifier`` session on a ``--context``-token prompt and times ``verify`` (the
 decoder, the walk's lm_head rows, the KV compaction: all an AR step or a tree costs the
@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 
 from presto_sd.embedded.cost_calibration import calibration_tree
-from presto_sd.embedded.stack import drafter_assets, verifier_engine
+from presto_sd.embedded.stack import drafter_assets, verifier_engine, weights_dtype
 from presto_sd.engine.verifier import MaskChains
 from presto_sd.method.tree import TokenTree
 from presto_sd.models.loading import load_target, parse_dtype
+from presto_sd.models.quant import WEIGHTS
 from presto_sd.models.self_draft import SelfDraftAdapter
 
 
@@ -46,11 +47,14 @@ def main() -> None:
     p.add_argument("--self-draft", default=None, help="a self-draft adapter dir: time self rounds")
     p.add_argument("--chains", type=int, default=0, help="mask rows per chain (with --self-draft)")
     p.add_argument("--max-chains", type=int, default=0, help="chains after the first K nodes (0: every node)")
+    p.add_argument("--weights", choices=WEIGHTS, default="dense", help="the verifier's linear weights")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = load_target(None, device=torch.device("cpu"), dtype=parse_dtype(args.dtype))
+    dtype = weights_dtype(args.weights, parse_dtype(args.dtype))
+    model, tok = load_target(None, device=torch.device("cpu"), dtype=dtype)
     adapter = SelfDraftAdapter.load(Path(args.self_draft), model.dtype) if args.self_draft else None
-    verifier = verifier_engine(model, tok, None, drafter_assets(None, None), adapter=adapter)
+    verifier = verifier_engine(model, tok, None, drafter_assets(None, None), adapter=adapter,
+                               weights=args.weights)
     sizes = [int(x) for x in args.sizes.split(",")]
     if adapter is not None and args.chains:
         sizes = [1, *(-n for n in sizes)]  # -n: a tree of n nodes with its chains; 1: the AR step
@@ -79,7 +83,7 @@ def main() -> None:
     med = {n: statistics.median(t[2:]) for n, t in times.items()}
     step = med.get(1)
     print(f"dtype={model.dtype} context={args.context} threads={args.threads} shape={args.shape} "
-          f"row_invariant={getattr(verifier, 'row_invariant', None)}")
+          f"weights={args.weights} row_invariant={getattr(verifier, 'row_invariant', None)}")
     for n in sizes:
         ratio = f"  {med[n] / step:.2f}x the AR step" if step else ""
         ch = chains(n)
