@@ -104,6 +104,41 @@ def test_every_method_is_greedy_ar_on_the_other_families(kind, method):
         assert generate(verifier, drafter, prompt, params).token_ids == hf_greedy(model, prompt, 20)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_qkv_and_gate_up_run_as_one_matmul_each(kind):
+    """Fused where the probe agrees (vLLM's QKVParallelLinear): the output is the separate
+    linears' side by side, bitwise, at 1 and many rows, and the modules' weights (biases too)
+    become views of the stacked tensor, not a second copy."""
+    model = tiny(kind)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    separate = [llama._Linear.of(m) for m in modules]
+    weights = [f.weight.clone() for f in separate]
+    layer = llama.LlamaDecoder(model).layers[1]
+    assert isinstance(layer.qkv, llama._Linear) and isinstance(layer.gate_up, llama._Linear)
+    assert attn.k_proj.weight.data_ptr() == layer.qkv.weight[attn.q_proj.out_features :].data_ptr()
+    assert all(torch.equal(w, f.weight) for w, f in zip(weights, separate))  # the same values
+    if kind == "qwen2":
+        assert attn.v_proj.bias.data_ptr() == layer.qkv.bias[-attn.v_proj.out_features :].data_ptr()
+    for rows in (1, 5):
+        x = torch.randn(rows, SHAPE["hidden_size"])
+        assert torch.equal(layer.qkv(x), torch.cat([f(x) for f in separate[:3]], -1))
+        assert torch.equal(layer.gate_up(x), torch.cat([f(x) for f in separate[3:]], -1))
+
+
+def test_linears_that_do_not_fuse_run_one_by_one(monkeypatch):
+    """Where the probe disagrees, the parts run one by one: same output, nothing re-pointed."""
+    monkeypatch.setattr(llama, "fusion_kernel_agrees", lambda *a: False)
+    model = tiny("llama")
+    attn = model.model.layers[0].self_attn
+    ptr = attn.k_proj.weight.data_ptr()
+    layer = llama.LlamaDecoder(model).layers[0]
+    assert isinstance(layer.qkv, llama._Stacked) and attn.k_proj.weight.data_ptr() == ptr
+    x = torch.randn(2, SHAPE["hidden_size"])
+    assert torch.equal(layer.qkv(x), torch.cat([llama._Linear.of(m)(x) for m in (attn.q_proj, attn.k_proj,
+                                                                                 attn.v_proj)], -1))
+
+
 def test_models_outside_the_family_keep_the_transformers_path():
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()

@@ -92,8 +92,12 @@ def test_the_int4_mode_computes_with_the_blocks_not_the_dense_weights():
     model, blocks = _quantized_tiny(torch.float32)
     linears = int4_linears(blocks, model, torch.float32)
     int4 = HFVerifier(model, (0, 1), linears=linears)
-    name = "layers.0.mlp.up_proj"
-    assert int4.owned.layers[0].up is linears[name]
+    layer = int4.owned.layers[0]
+    assert layer.down is linears["layers.0.mlp.down_proj"]
+    # gate and up run as one int4 matmul over their stacked blocks: bitwise theirs side by side
+    x = torch.randn(3, model.config.hidden_size)
+    gate, up = linears["layers.0.mlp.gate_proj"], linears["layers.0.mlp.up_proj"]
+    assert torch.equal(layer.gate_up(x), torch.cat([gate(x), up(x)], -1))
 
 
 def test_blocks_that_are_not_the_loaded_weights_are_refused():

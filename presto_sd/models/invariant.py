@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,28 @@ def pick_linear_kernel(in_features: int, out_features: int, dtype: torch.dtype,
                        device: str = "cpu") -> str | None:
     """The first of ``LINEAR_KERNELS`` whose rows agree at this shape, or None."""
     return next((k for k in LINEAR_KERNELS if rows_agree(k, in_features, out_features, dtype, device)), None)
+
+
+def fusion_agrees(fused: Callable[[torch.Tensor], torch.Tensor],
+                  parts: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> bool:
+    """Is ``fused`` (one matmul over weights stacked by rows) bitwise ``parts`` side by side,
+    on the probe rows ``x`` (``max(PROBE_ROWS)`` of them) at every call size of
+    ``PROBE_ROWS`` and alone? With row-invariant parts, it is row-invariant too."""
+    with torch.inference_mode():
+        return all(torch.equal(fused(x[:m]), torch.cat([f(x[:m]) for f in parts], -1))
+                   for m in (1, *PROBE_ROWS))
+
+
+@functools.cache
+def fusion_kernel_agrees(kernel: str, in_features: int, outs: tuple[int, ...], dtype: torch.dtype,
+                         device: str = "cpu") -> bool:
+    """``fusion_agrees`` for ``kernel``'s dense linear at these shapes (random data)."""
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(o, in_features, generator=g) / in_features**0.5).to(device, dtype) for o in outs]
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=g).to(device, dtype)
+    fused = torch.cat(ws)
+    return fusion_agrees(lambda r: invariant_linear(r, fused, kernel=kernel),
+                         [lambda r, w=w: invariant_linear(r, w, kernel=kernel) for w in ws], x)
 
 
 class InvariantLinear(torch.nn.Linear):

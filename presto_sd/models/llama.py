@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from presto_sd.models.invariant import invariant_linear, pick_linear_kernel
+from presto_sd.models.invariant import fusion_kernel_agrees, invariant_linear, pick_linear_kernel
 from presto_sd.models.packed import packed_plan, session_attention
+from presto_sd.models.quant import Int4Linear
 from presto_sd.models.self_draft import MaskRowDeltas, SelfDraftAdapter
 
 FAMILY = ("llama", "qwen2", "qwen3")  # model_type values this decoder runs
@@ -41,23 +42,64 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return invariant_linear(x, self.weight, self.bias, self.kernel)
 
+    @classmethod
+    def fuse(cls, modules: Sequence[torch.nn.Linear]) -> _Linear | None:
+        """One matmul for modules that read the same input, where the probe finds its output
+        bitwise theirs side by side; the modules' weights become views of the stacked one
+        (no second copy). None where they differ in kernel, dtype or bias, or it disagrees."""
+        parts = [cls.of(m) for m in modules]
+        w0, outs = parts[0].weight, tuple(p.weight.shape[0] for p in parts)
+        if (len({(p.kernel, p.weight.dtype, p.weight.shape[1], p.bias is None) for p in parts}) != 1
+                or not fusion_kernel_agrees(parts[0].kernel, w0.shape[1], outs, w0.dtype, w0.device.type)):
+            return None
+        weight = torch.cat([m.weight.detach() for m in modules])
+        bias = None if parts[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+        sizes = [m.out_features for m in modules]
+        for m, w in zip(modules, weight.split(sizes)):
+            m.weight.data = w
+        if bias is not None:
+            for m, b in zip(modules, bias.split(sizes)):
+                m.bias.data = b
+        return cls(weight, bias, parts[0].kernel)
+
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # rows [..., in] -> [..., out], each row as alone
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    """Linears that read the same input, run one by one, outputs side by side (where no
+    fused matmul agrees with them)."""
+
+    parts: tuple[Linear, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([f(x) for f in self.parts], -1)
+
+
+def _fused(modules: Sequence[torch.nn.Linear], given: Sequence[Linear | None]) -> Linear:
+    """One linear for ``modules`` (q/k/v, or gate/up): their own weights, or the ``given``
+    kernels (all or none), fused where a probe says the output is bitwise the parts'."""
+    if all(g is None for g in given):
+        fused = _Linear.fuse(modules)
+    elif all(isinstance(g, Int4Linear) for g in given):
+        fused = Int4Linear.fuse(list(given))
+    else:
+        fused = None
+    return fused or _Stacked(tuple(g or _Linear.of(m) for g, m in zip(given, modules)))
 
 
 @dataclass(frozen=True)
 class _Layer:
     attn: torch.nn.Module  # read for layer_idx / scaling by the attention; never called
     input_norm: torch.Tensor
-    q: Linear
-    k: Linear
-    v: Linear
+    qkv: Linear  # q, k and v side by side: one matmul (vLLM's QKVParallelLinear)
+    qkv_sizes: tuple[int, int, int]
     o: Linear
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before RoPE
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: Linear
-    up: Linear
+    gate_up: Linear  # gate and up side by side: one matmul
     down: Linear
 
 
@@ -96,15 +138,20 @@ class LlamaDecoder:
     def _layer(i: int, layer: torch.nn.Module, linears: Mapping[str, Linear]) -> _Layer:
         a, m = layer.self_attn, layer.mlp
 
+        def given(*names: str) -> list[Linear | None]:
+            return [linears.get(f"layers.{i}.{name}") for name in names]
+
         def lin(name: str, module: torch.nn.Linear) -> Linear:
-            return linears.get(f"layers.{i}.{name}") or _Linear.of(module)
+            return given(name)[0] or _Linear.of(module)
 
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return _Layer(a, layer.input_layernorm.weight, lin("self_attn.q_proj", a.q_proj),
-                      lin("self_attn.k_proj", a.k_proj), lin("self_attn.v_proj", a.v_proj),
-                      lin("self_attn.o_proj", a.o_proj), None if qn is None else qn.weight,
-                      None if kn is None else kn.weight, layer.post_attention_layernorm.weight,
-                      lin("mlp.gate_proj", m.gate_proj), lin("mlp.up_proj", m.up_proj),
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        return _Layer(a, layer.input_layernorm.weight,
+                      _fused(qkv, given("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                      tuple(p.out_features for p in qkv), lin("self_attn.o_proj", a.o_proj),
+                      None if qn is None else qn.weight, None if kn is None else kn.weight,
+                      layer.post_attention_layernorm.weight,
+                      _fused((m.gate_proj, m.up_proj), given("mlp.gate_proj", "mlp.up_proj")),
                       lin("mlp.down_proj", m.down_proj))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -134,9 +181,10 @@ class LlamaDecoder:
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
-            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+            qkv = layer.qkv(x)
             if deltas is not None:
-                deltas.add(i, 0, x, (q, k, v), mask_rows)
+                deltas.add(i, 0, x, (qkv,), mask_rows)
+            q, k, v = qkv.split(layer.qkv_sizes, -1)
             q = q.view(1, n, self.heads, self.head_dim)
             k = k.view(1, n, self.kv_heads, self.head_dim)
             v = v.view(1, n, self.kv_heads, self.head_dim)
@@ -153,9 +201,10 @@ class LlamaDecoder:
                 deltas.add(i, 1, attn, (o,), mask_rows)
             h = h + o
             x = self._norm(h, layer.post_norm)
-            gate, up = layer.gate(x), layer.up(x)
+            gate_up = layer.gate_up(x)
             if deltas is not None:
-                deltas.add(i, 2, x, (gate, up), mask_rows)
+                deltas.add(i, 2, x, (gate_up,), mask_rows)
+            gate, up = gate_up.chunk(2, -1)
             act = torch.nn.functional.silu(gate) * up
             down = layer.down(act)
             if deltas is not None:

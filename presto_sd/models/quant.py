@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from presto_sd.models.invariant import PROBE_ROWS, rows_agree_in
+from presto_sd.models.invariant import PROBE_ROWS, fusion_agrees, rows_agree_in
 
 GROUP = 32  # Q4_1's block: weights per (d, m) pair, along the input dimension
 WEIGHTS = ("dense", "gguf-int4")  # the verifier's linear weights: the loaded model's, or the GGUF's Q4_1
@@ -31,6 +31,9 @@ WEIGHTS = ("dense", "gguf-int4")  # the verifier's linear weights: the loaded mo
 _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
+
+
+_FUSION_PROBED: dict[tuple, bool] = {}  # Int4Linear.fuse's probe, per shape signature
 
 
 class QuantError(ValueError):
@@ -97,6 +100,25 @@ class Int4Linear:
         rows = x.reshape(-1, self.in_features)
         out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
         return out.reshape(*lead, self.out_features)
+
+    @classmethod
+    def fuse(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """One kernel for linears that read the same input (q/k/v, gate/up): their packed rows
+        and scales stacked, used where its output is bitwise theirs side by side (probed
+        once per shape signature, on these weights); else None."""
+        if len({(p.in_features, p.dtype) for p in parts}) != 1:
+            return None
+        fused = cls.__new__(cls)
+        fused.in_features, fused.dtype = parts[0].in_features, parts[0].dtype
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.packed = torch.cat([p.packed for p in parts])
+        fused.scales_zeros = torch.cat([p.scales_zeros for p in parts], 1)
+        key = (fused.in_features, tuple(p.out_features for p in parts), fused.dtype)
+        if key not in _FUSION_PROBED:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(max(PROBE_ROWS), fused.in_features, generator=g).to(fused.dtype)
+            _FUSION_PROBED[key] = fusion_agrees(fused, parts, x)
+        return fused if _FUSION_PROBED[key] else None
 
     def rows_agree(self) -> bool:
         """The dense kernels' probe (``invariant.rows_agree_in``), for this kernel and these weights."""
