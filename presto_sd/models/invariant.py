@@ -61,6 +61,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     is computed as one of two. (One row is a matrix-vector product on every backend,
     rounded its own way: bf16's 1536->576 projection here gives a lone row that differs
     in ~1 of 6 random rows, so "alone agrees" cannot be probed reliably; it is not tried.)"""
+    if x.dim() == 2 and x.shape[0] > 1:  # rows as they are (the owned decoder's)
+        return LINEAR_KERNELS[kernel](x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]

@@ -130,6 +130,12 @@ class LlamaDecoder:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight
         self.layers = [self._layer(i, layer, linears or {}) for i, layer in enumerate(inner.layers)]
+        # the dense kernels compute a lone row as one of two (``invariant_linear``): an AR step
+        # runs as two rows from the start (its row twice; the second is never attended or
+        # read), so no linear pads and slices on its own. Row invariance makes the copy's
+        # values irrelevant to the real row. The int4 kernel's lone row is probed as it is.
+        self.pad_lone_row = any(not isinstance(f, Int4Linear) for layer in self.layers
+                                for f in (layer.qkv, layer.o, layer.gate_up, layer.down))
         if adapter is not None:
             adapter.check_target(model)
         self.deltas = MaskRowDeltas(adapter, self.embed.device) if adapter is not None else None
@@ -168,16 +174,22 @@ class LlamaDecoder:
         states ``[N, H]``, the outputs of ``keep_layers`` ``[N, H]`` each, in that order, as
         transformers' ``hidden_states[i + 1]``). ``mask_rows``: indices of the self-draft mask
         rows (their ``input_ids`` are ignored), which the adapter computes."""
+        real = input_ids.shape[0]
+        if real == 1 and self.pad_lone_row:
+            input_ids, positions = input_ids.repeat(2), positions.repeat(2)
         n = input_ids.shape[0]
-        h = self.embed[input_ids][None]  # [1, N, H]
+        h = self.embed[input_ids]  # [N, H]: the linears' rows as they are, no reshapes
         deltas = None  # the adapter, at mask rows only: every other row is the linears' alone
         if mask_rows is not None and len(mask_rows) > 0:
             if self.deltas is None:
                 raise ValueError("mask rows need a self-draft adapter")
             deltas = self.deltas
-            h[0, mask_rows] = deltas.mask_embed.to(h.dtype)
+            h[mask_rows] = deltas.mask_embed.to(h.dtype)
         cos, sin = self.rotary(h, positions[None])  # [1, N, head_dim], in h's dtype
-        cos, sin = cos[:, None], sin[:, None]
+        # transformers' q * cos + rotate_half(q) * sin with rotate_half(q) = cat(-q2, q1) as
+        # roll(q) * cat(-sin1, sin2): the same products ((-a) b = -(a b) exactly), one op not four
+        half = self.head_dim // 2
+        cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, None]
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
@@ -191,11 +203,11 @@ class LlamaDecoder:
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
             attn = session_attention(plan, layer.attn, q, k, v, dropout=0.0,
                                      scaling=layer.attn.scaling)  # [1, N, heads, head_dim]
-            attn = attn.reshape(1, n, -1)
+            attn = attn.reshape(n, -1)
             o = layer.o(attn)
             if deltas is not None:
                 deltas.add(i, 1, attn, (o,), mask_rows)
@@ -211,17 +223,12 @@ class LlamaDecoder:
                 deltas.add(i, 3, act, (down,), mask_rows)
             h = h + down
             if i in keep_layers:
-                kept[i] = h[0]
-        out = self._norm(h, self.final_norm)[0]
+                kept[i] = h[:real]
+        out = self._norm(h, self.final_norm)[:real]
         # transformers' hidden_states[i + 1], which DFlash's target_layer_ids index: the last
         # layer's entry there is the normed output
         kept[len(self.layers) - 1] = out
         return out, [kept[i] for i in keep_layers]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 __all__ = ["FAMILY", "LlamaDecoder", "packed_plan", "supports"]

@@ -96,6 +96,8 @@ class Int4Linear:
         self.scales_zeros = torch.stack([blocks.d.t(), zeros.t()], -1).contiguous().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # rows as they are (the owned decoder's)
+            return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)

@@ -160,12 +160,12 @@ class MaskRowDeltas:
 
     def add(self, layer: int, group: int, x: torch.Tensor, outs: Sequence[torch.Tensor],
             rows: torch.Tensor) -> None:
-        """``x [1, N, in]`` the group's input, ``outs`` its linears' outputs ``[1, N, out]``."""
-        delta = (x[0].index_select(0, rows).float() @ self.a[layer][group]) @ self.b[layer][group]
+        """``x [N, in]`` the group's input, ``outs`` its linears' outputs ``[N, out]``."""
+        delta = (x.index_select(0, rows).float() @ self.a[layer][group]) @ self.b[layer][group]
         start = 0
         for out in outs:  # [m, sum of outs]: each output's columns in turn
             width = out.shape[-1]
-            out[0].index_add_(0, rows, delta[:, start : start + width].to(out.dtype))
+            out.index_add_(0, rows, delta[:, start : start + width].to(out.dtype))
             start += width
 
 
