@@ -12,7 +12,17 @@ from presto_sd.embedded.dflash_drafter import DFlashDrafter
 from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
-from presto_sd.models.quant import GROUP, Int4Linear, Q4Blocks, QuantError, _reverse_permute, int4_linears
+from presto_sd.models.quant import (
+    GROUP,
+    Int4Linear,
+    Q4Blocks,
+    Q8Head,
+    QuantError,
+    _reverse_permute,
+    gguf_q8_0_head,
+    int4_linears,
+    q8_0_blocks,
+)
 from tests.conftest import tiny_drafter_model, tiny_llama
 
 METHODS = ("linear", "marginal", "presto-beam", "presto-best-first", "taps")
@@ -130,3 +140,82 @@ def test_smollm2_gguf_int4_every_method_is_bitwise_its_ar(smollm2_dir):
         tree = TreeParams(budget=8, depth=7)
         params = GenerationParams(method=method, tree=tree, max_new_tokens=32)
         assert generate(built.verifier, built.drafter, prompt, params).token_ids == ar, method
+
+
+def _q8_0(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    return (raw, *q8_0_blocks(raw, n, k))
+
+
+def test_q8_0_blocks_are_ggufs_own_dequantization():
+    raw, q, d = _q8_0(16, 4 * GROUP, 4)
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(16, -1)
+    assert q.min() >= -128 and q.max() <= 127
+    assert torch.equal((q.float().view(16, 4, GROUP) * d[..., None]).view(16, -1), torch.from_numpy(theirs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_q8_head_is_two_int4_planes_that_sum_to_the_blocks(dtype):
+    """q + 128 = 16 hi + lo: the planes' weights sum to d q exactly (fp32 scales show it
+    through an identity), and the logits are the product within the activations' rounding."""
+    _, q, d = _q8_0(64, 3 * GROUP, 5)
+    head = Q8Head(q, d, dtype)
+    dense = (q.float().view(64, 3, GROUP) * d[..., None]).view(64, -1)
+    if dtype == torch.float32:
+        assert torch.equal(head(torch.eye(3 * GROUP)).t(), dense)
+    x = torch.randn(5, 3 * GROUP, generator=torch.Generator().manual_seed(6)).to(dtype)
+    out = head(x)
+    assert out.dtype == torch.float32 and out.shape == (5, 64)
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    assert torch.allclose(out, x.float() @ dense.t(), atol=tol, rtol=tol)
+    assert head.rows_agree()
+
+
+def _gguf_with_head(tmp_path, model, dtype: torch.dtype, kind=gguf.GGMLQuantizationType.Q8_0):
+    """A GGUF holding the model's head as ``output.weight`` (Q8_0), the model's head set to it."""
+    w = model.lm_head.weight.detach().float().numpy()
+    raw = gguf.quants.quantize(w, kind)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.from_numpy(
+            gguf.quants.dequantize(raw, kind).reshape(w.shape)).to(dtype))
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer.add_tensor("output.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tmp_path / "tiny.gguf"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_method_is_bitwise_the_int4_modes_own_ar_with_the_q8_head(tmp_path, dtype):
+    model, blocks = _quantized_tiny(dtype)
+    head = gguf_q8_0_head(_gguf_with_head(tmp_path, model, dtype), model, dtype)
+    assert head is not None
+    draft_model = tiny_drafter_model(model).to(dtype)
+    linears = int4_linears(blocks, model, dtype)
+    verifier = HFVerifier(model, draft_model.config.target_layer_ids, linears=linears, head=head, walk_rows=4)
+    assert verifier.row_invariant
+    drafter = DFlashDrafter(draft_model, model.get_input_embeddings().weight.detach(),
+                            model.get_output_embeddings().weight.detach())
+    prompt = [1, 5, 9, 13]
+    ar = generate(verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=24)).token_ids
+    for method in METHODS:
+        params = GenerationParams(method=method, tree=TreeParams(budget=8, depth=4), max_new_tokens=24)
+        assert generate(verifier, drafter, prompt, params).token_ids == ar, method
+
+
+def test_a_q8_head_that_is_not_the_loaded_one_is_refused(tmp_path):
+    model, _ = _quantized_tiny(torch.float32)
+    path = _gguf_with_head(tmp_path, model, torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    with pytest.raises(QuantError, match="not the loaded lm_head"):
+        gguf_q8_0_head(path, model, torch.float32)
+
+
+def test_a_head_of_another_type_keeps_the_dense_head(tmp_path):
+    model, _ = _quantized_tiny(torch.float32)
+    path = _gguf_with_head(tmp_path, model, torch.float32, gguf.GGMLQuantizationType.F32)
+    assert gguf_q8_0_head(path, model, torch.float32) is None

@@ -105,6 +105,8 @@ class HFVerifier(Verifier):
         decoder: str = "auto",  # "owned" (models/llama.py), "transformers", or "auto": owned where it runs
         linears: Mapping[str, Linear] | None = None,  # row-invariant kernels for the owned decoder's linears
         adapter: SelfDraftAdapter | None = None,  # self-speculative mask rows (needs the owned decoder)
+        head: Linear | None = None,  # a row-invariant lm_head kernel (fp32 logits): the GGUF's Q8_0
+        walk_rows: int = WALK_ROWS,  # a tree's nodes whose logits come in one head matmul
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
@@ -114,15 +116,18 @@ class HFVerifier(Verifier):
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         # row-invariant kernels inside packed_forward only: a tree's rows are bitwise AR's steps
-        head = self.lm_head.weight
-        self.head_weight = head
-        self.head_kernel = pick_linear_kernel(head.shape[1], head.shape[0], head.dtype, head.device.type)
-        if self.head_kernel is None and head.dtype != torch.float32:
+        w = self.head_weight = self.lm_head.weight
+        self.head, self.walk_rows = head, walk_rows
+        if head is not None:  # probed row-invariant by its maker (quant.gguf_q8_0_head)
+            self.head_kernel: str | None = "given"
+        else:
+            self.head_kernel = pick_linear_kernel(w.shape[1], w.shape[0], w.dtype, w.device.type)
+        if self.head_kernel is None and w.dtype != torch.float32:
             # no invariant kernel in the model's dtype (bf16 on Intel AMX): the head in fp32, on a
             # copy of its weight, where oneDNN's rows agree; the logits are fp32 either way
-            fp32 = pick_linear_kernel(head.shape[1], head.shape[0], torch.float32, head.device.type)
+            fp32 = pick_linear_kernel(w.shape[1], w.shape[0], torch.float32, w.device.type)
             if fp32 is not None:
-                self.head_weight, self.head_kernel = head.detach().float(), fp32
+                self.head_weight, self.head_kernel = w.detach().float(), fp32
         linears_ok = install_invariant_linears(self.decoder)
         owned = decoder == "owned" or (decoder == "auto" and llama.supports(model))
         if linears and not owned:
@@ -222,6 +227,8 @@ class HFVerifier(Verifier):
         return out.last_hidden_state[0], feats[0]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(hidden)
         w, bias = self.head_weight, self.lm_head.bias
         bias = None if bias is None else bias.to(w.dtype)
         return invariant_linear(hidden.to(w.dtype), w, bias, self.head_kernel or "aten").float()
@@ -473,11 +480,10 @@ class HFVerifier(Verifier):
             hidden, feats = self._forward(segments, input_ids, positions, mask_rows)
             # the walks' and the new prompts' logits in ONE lm_head matmul (a pass over the
             # head's weights costs about the same for 1 row as for 16): every node of a tree of
-            # up to WALK_ROWS nodes (its walk reads tau of them), the root of a larger one (its
+            # up to ``walk_rows`` nodes (its walk reads tau of them), the root of a larger one (its
             # walk reads the rest a row at a time), every prompt's last row. The head's rows
             # are row-invariant, so the walk is bitwise what one row at a time gives.
-            rows_of = [range(seg.start, seg.start + (len(c.tree.tokens) if len(c.tree.tokens) <= WALK_ROWS
-                                                     else 1))
+            rows_of = [range(seg.start, seg.start + (n if (n := len(c.tree.tokens)) <= self.walk_rows else 1))
                        for (_, c), seg in zip(items, segments)]
             rows_of += [range(seg.start + seg.n - 1, seg.start + seg.n) for seg in segments[len(items):]]
             heads = self._logits(hidden[[r for rows in rows_of for r in rows]])

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from presto_sd.embedded.dflash_drafter import DFlashDrafter
-from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.embedded.hf_verifier import WALK_ROWS, HFVerifier
 from presto_sd.embedded.memory import kv_budget
 from presto_sd.embedded.self_drafter import SELF_PREFIX, SelfDrafter
 from presto_sd.engine.drafter import Drafter
@@ -40,7 +40,7 @@ from presto_sd.models.loading import (
     resolve_drafter,
     target_gguf,
 )
-from presto_sd.models.quant import WEIGHTS, gguf_q4_1_blocks, int4_linears
+from presto_sd.models.quant import ROW_BLOCK, WEIGHTS, gguf_q4_1_blocks, gguf_q8_0_head, int4_linears
 from presto_sd.models.self_draft import SelfDraftAdapter
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -115,13 +115,17 @@ def verifier_engine(
     ``weights`` "gguf-int4": its linears from the target GGUF's own Q4_1 blocks (``quant``)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r}: one of {', '.join(WEIGHTS)}")
-    linears = None
+    linears, head, walk_rows = None, None, WALK_ROWS
     if weights == "gguf-int4":
-        linears = int4_linears(gguf_q4_1_blocks(target_gguf(target), model.config), model, model.dtype)
+        gguf_path = target_gguf(target)
+        linears = int4_linears(gguf_q4_1_blocks(gguf_path, model.config), model, model.dtype)
+        head = gguf_q8_0_head(gguf_path, model, model.dtype)
+        walk_rows = ROW_BLOCK if head is not None else WALK_ROWS  # more rows: another kernel block
     config = assets.config or random_drafter_config(model.config)
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
                       eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
-                      prefill_chunk=prefill_chunk, decoder=decoder, linears=linears, adapter=adapter)
+                      prefill_chunk=prefill_chunk, decoder=decoder, linears=linears, adapter=adapter,
+                      head=head, walk_rows=walk_rows)
 
 
 def weights_dtype(weights: str, dtype: torch.dtype | None) -> torch.dtype | None:
