@@ -254,7 +254,8 @@ class DFlashDrafter(CheckedDrafter):
         """The session, rho, whether the method sizes itself, the depth; or the named error."""
         s = self.sessions.touch(c.session_id)
         method, rho = check_draft_call(c, s.base, self.vocab_size, self.max_budget, self.rho_providers)
-        return s, rho, method.sizes_itself, min(c.params.depth, self.config.block_size - 1)
+        # a tree of B nodes is at most B deep: the block's later rows would be computed for nothing
+        return s, rho, method.sizes_itself, min(c.params.depth, self.config.block_size - 1, c.params.budget)
 
     def _build(self, s: _DraftSession, c: DraftCall, marginals: DraftMarginals,
                rho: RhoProvider | None, sizes_itself: bool, forward_s: float) -> DraftResult:
