@@ -1,15 +1,20 @@
 """The verifier's own decoder forward for the Llama family (SmolLM2, Llama, Qwen2, Qwen3).
 
 One page, the call a reader sees is the call that runs (gpt-fast's ``model.py``): the
-packed tokens go through embedding, per layer RMSNorm -> q/k/v -> RoPE -> the packed
-attention (``packed.session_attention``: per-session slots, row attention for decode rows)
--> o -> residual -> RMSNorm -> gate/up/SiLU/down -> residual, and the final norm. Every
-linear is ``invariant_linear`` with the kernel probed for its shape; every other op is
-transformers' own arithmetic in the same order (RMSNorm in fp32, RoPE from the model's
-own rotary module), so the result is bitwise the transformers path that it replaces, and
-what it drops is that path's Python: module calls, mask and cache machinery, output
-records. The weights are the loaded model's tensors, shared, not copied; transformers
-stays for loading, tokenizers and as the test reference.
+packed tokens go through embedding, per layer RMSNorm -> q/k/v (one matmul) -> RoPE -> the
+packed attention (``packed.session_attention``: per-session slots, row attention for decode
+rows) -> o -> residual -> RMSNorm -> gate/up (one matmul) -> SiLU -> down -> residual, and
+the final norm. Every linear is ``invariant_linear`` with the kernel probed for its shape
+(or the GGUF's int4 blocks, ``quant``); q/k/v and gate/up are fused only where a probe finds
+the stacked matmul bitwise the separate ones (``invariant.fusion_agrees``). Every other op is
+transformers' own arithmetic (RMSNorm in fp32, RoPE from the model's own rotary module, its
+``rotate_half`` as a roll against a signed sin: the same products), so the result is bitwise
+the transformers path that it replaces, and what it drops is that path's Python: module
+calls, mask and cache machinery, output records, per-linear reshapes and pads (rows stay 2-D;
+an AR step runs as two rows, ``pad_lone_row``). Ops per AR step: ``scripts/op_count.py``.
+The weights are the loaded model's tensors, shared, not copied (fused ones are stacked and
+the modules' weights made views of them); transformers stays for loading, tokenizers and as
+the test reference.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ GGUF's to bf16 precision of ``d`` and ``m + 8 d``, not the dequantized bf16 weig
 dense path loads (``scripts/int4_probe.py`` measures both). A step reads 4.5 bits a weight
 instead of 16 or 32.
 
+The head comes from the GGUF too where it is Q8_0 (SmolLM2's tied ``token_embd``): ``Q8Head``
+runs its 8-bit values as two 4-bit planes through the same kernel, fp32 logits.
+
 Lossless still means what it means everywhere here: the kernel's rows are probed
 (``rows_agree``) for every shape before the mode is used, and AR and every speculative
 method run the same kernels, so greedy output is bitwise this mode's own AR.
