@@ -132,10 +132,12 @@ def plot() -> Path:
               ("marginal tau @ 16", lambda r, ds: r["tau"]["marginal@16"][ds]))
     for ax, (title, get) in zip(axes, panels):
         def recipe_of(r: dict) -> tuple:  # a warm point (a parent's data + new) is a recipe apart
-            return r["steps"], r["soft_weight"], bool(r.get("warm_from"))
+            return r["steps"], r["soft_weight"], bool(r.get("warm_from")), r.get("marker", "")
 
         recipes = sorted({recipe_of(r) for r in rows})
-        warm_marks = dict(zip([r for r in recipes if r[2]], "*PXD"))  # one marker per warm recipe
+        # one marker per warm recipe; a row may name its own (later points, so earlier ones keep theirs)
+        warm_marks = dict(zip([r for r in recipes if r[2] and not r[3]], "*PXD"))
+        warm_marks.update({r: r[3] for r in recipes if r[3]})
         for recipe in recipes:
             pts = sorted((r for r in rows if recipe_of(r) == recipe and r["size"] > 0),
                          key=lambda r: r["response_tokens"])
