@@ -85,7 +85,7 @@ def test_the_owned_forward_equals_transformers_own_forward(kind):
     tree = TokenTree.from_lists([pre.anchor, *TREE[0]], TREE[1])
     seg = Segment(v.sessions["s"].kv, 0, len(tree.tokens), tree.paths())
     with torch.inference_mode():
-        logits = v._logits(v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))[0])
+        logits = v.logits(v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))[0])
         for node in range(len(tree.tokens)):
             ref = model(torch.tensor([PROMPT + tree.path_tokens(node)])).logits[0, -1]
             torch.testing.assert_close(logits[node], ref, atol=1e-4, rtol=0)  # same math, other shapes

@@ -40,7 +40,7 @@ def test_tree_logits_equal_causal_path_logits(tiny_target):
     seg = Segment(s.kv, 0, len(tree.tokens), tree.paths())
     with torch.inference_mode():  # the session's buffers are inference tensors
         hidden, _ = v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
-        logits = v._logits(hidden)
+        logits = v.logits(hidden)
     for node in range(len(tree.tokens)):
         ref = full_logits(tiny_target, PROMPT + tree.path_tokens(node))[-1]
         torch.testing.assert_close(logits[node], ref, atol=LOGIT_ATOL, rtol=0)

@@ -226,7 +226,9 @@ class HFVerifier(Verifier):
         feats = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
         return out.last_hidden_state[0], feats[0]
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head over hidden states ``[..., H]`` -> fp32 logits, through the row-invariant
+        kernel every walk uses (the replay reads them as a round would)."""
         if self.head is not None:
             return self.head(hidden)
         w, bias = self.head_weight, self.lm_head.bias
@@ -276,7 +278,7 @@ class HFVerifier(Verifier):
                 kv.keep(range(len(chunk)))
                 feats.append(f)
             call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
-            session, result = self._new_session(call, kv, self._logits(hidden[-1]),
+            session, result = self._new_session(call, kv, self.logits(hidden[-1]),
                                                 torch.cat(feats) if len(feats) > 1 else feats[0])
             self.sessions.open(seat, session)
         finally:
@@ -486,7 +488,7 @@ class HFVerifier(Verifier):
             rows_of = [range(seg.start, seg.start + (n if (n := len(c.tree.tokens)) <= self.walk_rows else 1))
                        for (_, c), seg in zip(items, segments)]
             rows_of += [range(seg.start + seg.n - 1, seg.start + seg.n) for seg in segments[len(items):]]
-            heads = self._logits(hidden[[r for rows in rows_of for r in rows]])
+            heads = self.logits(hidden[[r for rows in rows_of for r in rows]])
             first = [sum(len(rows) for rows in rows_of[:k]) for k in range(len(rows_of) + 1)]
             walked = []
             for k, ((s, c), seg, ch) in enumerate(zip(items, segments, chains)):
@@ -524,14 +526,14 @@ class HFVerifier(Verifier):
         """Sample-and-match over the tree's hidden states [N, H], with the session's generator;
         ``known``: the logits of its first nodes, computed with the forward's other rows."""
         if want_node_probs:  # traces need every node's parent distribution
-            logits = known if len(known) == len(tree.tokens) else self._logits(hidden)
+            logits = known if len(known) == len(tree.tokens) else self.logits(hidden)
             walk = walk_tree(tree, logits, s.sampling, s.generator)
             return walk, node_token_probs(tree, logits, s.sampling).cpu()
 
-        def logits(node: int) -> torch.Tensor:  # the rest only where the walk reaches them
-            return known[node] if node < len(known) else self._logits(hidden[node])
+        def node_logits(node: int) -> torch.Tensor:  # the rest only where the walk reaches them
+            return known[node] if node < len(known) else self.logits(hidden[node])
 
-        return walk_tree(tree, logits, s.sampling, s.generator), None
+        return walk_tree(tree, node_logits, s.sampling, s.generator), None
 
     def _chains(self, call: VerifyCall) -> MaskChains | None:
         """The call's chains, shortened to stay inside the context window (they only draft:
@@ -549,7 +551,7 @@ class HFVerifier(Verifier):
         if chains is None or end not in chains.after:
             return None
         first = chains_start + chains.after.index(end) * chains.depth
-        logp = torch.log_softmax(self._logits(hidden[first : first + chains.depth]), dim=-1)
+        logp = torch.log_softmax(self.logits(hidden[first : first + chains.depth]), dim=-1)
         return DraftMarginals.top_of(logp.cpu(), chains.top_k)
 
     def _commit(
