@@ -158,11 +158,12 @@ def plot() -> Path:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7)
     fig.suptitle("drafter learning curve (replay, 8 prompts a set, 128 tokens; dotted: the drafter shipped "
-                 "until 2026-12-05 morning, size 0 in the data;\nwarm starts from the 2 M, 3000-step point "
-                 "on 1.1 M more tokens (stars, 2000 steps: shipped at noon; crosses, 4000 steps, a 16k "
-                 "vocabulary, bf16 training: shipped that afternoon; P: 4500 more steps, +0.22 M tokens, "
-                 "shipped since 17:50);\nthe warm starts' replays "
-                 "are bf16 on an AMD EPYC, the others fp32 on an Intel AMX)", fontsize=9)
+                 "until 2026-12-05 morning, size 0 in the data);\nwarm starts, each from the one before: "
+                 "stars, 2000 steps on 1.1 M more tokens (noon); plus signs, 4000 steps, a 16k vocabulary, "
+                 "bf16 training (afternoon);\ncrosses, 4500 steps, +0.22 M tokens (17:50); diamonds, grown "
+                 "to "
+                 "3 layers, 3000 steps on 1.34 M new tokens (21:10); the warm starts' replays are bf16 on an "
+                 "AMD EPYC, the others fp32 on an Intel AMX", fontsize=9)
     fig.tight_layout(rect=(0, 0.2, 1, 0.92))
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=110)
