@@ -42,6 +42,12 @@ _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
 _FUSION_PROBED: dict[tuple, bool] = {}  # Int4Linear.fuse's probe, per shape signature
 
 
+def _probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The random rows every int4 probe here multiplies (``max(PROBE_ROWS)`` of them)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(max(PROBE_ROWS), in_features, generator=g).to(dtype)
+
+
 class QuantError(ValueError):
     """A model whose weights cannot run this way (no Q4_1 blocks, a mismatch, no invariant kernel)."""
 
@@ -123,15 +129,12 @@ class Int4Linear:
         fused.scales_zeros = torch.cat([p.scales_zeros for p in parts], 1)
         key = (fused.in_features, tuple(p.out_features for p in parts), fused.dtype)
         if key not in _FUSION_PROBED:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(max(PROBE_ROWS), fused.in_features, generator=g).to(fused.dtype)
-            _FUSION_PROBED[key] = fusion_agrees(fused, parts, x)
+            _FUSION_PROBED[key] = fusion_agrees(fused, parts, _probe_rows(fused.in_features, fused.dtype))
         return fused if _FUSION_PROBED[key] else None
 
     def rows_agree(self) -> bool:
         """The dense kernels' probe (``invariant.rows_agree_in``), for this kernel and these weights."""
-        g = torch.Generator().manual_seed(0)
-        return rows_agree_in(self, torch.randn(max(PROBE_ROWS), self.in_features, generator=g).to(self.dtype))
+        return rows_agree_in(self, _probe_rows(self.in_features, self.dtype))
 
 
 class Q8Head:
@@ -140,8 +143,9 @@ class Q8Head:
     ``q + 128 = 16 hi + lo`` splits it into two 4-bit planes, ``hi`` with scale ``16 d`` and
     zero ``0`` ((hi - 8) 16 d), ``lo`` with scale ``d`` and zero ``8 d`` (lo d): their sum is
     ``d q`` exactly in real arithmetic. Reads 1 byte a weight instead of bf16's 2, and the
-    kernel's lone row costs ~1.5 ms against bf16's ~3.9 on a 2-vCPU EPYC. Logits in fp32
-    (the planes' sum), row-invariant where both planes are (probed)."""
+    kernel's lone row costs ~1.6 ms against bf16's ~4.0 on a 2-vCPU EPYC (both planes; 4 rows
+    3.3 against 4.0, 5 rows 5.5 against 4.1: a random-weight microbenchmark of the head's
+    shape). Logits in fp32 (the planes' sum), row-invariant where both planes are (probed)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
         u = (q.int() + 128).contiguous()
@@ -154,8 +158,7 @@ class Q8Head:
         return self.hi(x).float() + self.lo(x).float()
 
     def rows_agree(self) -> bool:
-        g = torch.Generator().manual_seed(0)
-        return rows_agree_in(self, torch.randn(max(PROBE_ROWS), self.in_features, generator=g).to(self.dtype))
+        return rows_agree_in(self, _probe_rows(self.in_features, self.dtype))
 
 
 def q8_0_blocks(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
