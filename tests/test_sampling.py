@@ -169,16 +169,25 @@ def plain_sampling_probs(logits: torch.Tensor, s: SamplingParams) -> torch.Tenso
     return torch.softmax(warp(None, logits.double()), dim=-1)
 
 
-def exact_sequences(model, prompt: list[int], k: int, s: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(x_1..x_k) of every sequence of non-zero probability: one batched forward per depth."""
+def exact_sequences(logits_of, prompt: list[int], k: int, s: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_k) of every sequence of non-zero probability, one batched call per depth.
+    ``logits_of``: a model (transformers' forward: the fp32 reference) or an engine's
+    ``next_token_logits`` (its own law: in bf16 a batched transformers forward, or even a
+    whole-sequence prefill, is not the arithmetic of the engine's AR steps)."""
+    if isinstance(logits_of, torch.nn.Module):
+        model = logits_of
+
+        def logits_of(prompt: list[int], continuations: list[list[int]]) -> torch.Tensor:
+            rows = torch.tensor([prompt + c for c in continuations])
+            with torch.no_grad():  # the last position's logits only
+                return model(rows, logits_to_keep=1).logits[:, -1]
+
     level: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(k):
-        prefixes = list(level)
-        rows = torch.tensor([prompt + list(p) for p in prefixes])
-        with torch.no_grad():  # the last position's logits only, 64 rows at a time
-            logits = torch.cat([model(chunk, logits_to_keep=1).logits[:, -1] for chunk in rows.split(64)])
+        prefixes = [list(p) for p in level]
+        logits = torch.cat([logits_of(prompt, prefixes[i : i + 64]) for i in range(0, len(prefixes), 64)])
         nxt = {}
-        for p, row in zip(prefixes, plain_sampling_probs(logits, s)):
+        for p, row in zip(level, plain_sampling_probs(logits, s)):
             for tok in torch.nonzero(row).flatten().tolist():
                 nxt[p + (tok,)] = level[p] * float(row[tok])
         level = nxt
@@ -311,7 +320,8 @@ def test_whole_generations_sample_as_plain_sampling_in_bf16(e2e_target, monkeypa
     verifier, drafter = e2e_engines_for(target, monkeypatch)
     samples, rounds = sampled_generations(verifier, drafter, "presto-best-first", E2E_N)
     check_rounds(rounds, E2E_N, min_rounds=1.5)
-    p = pair_p_values(samples, exact_pairs(exact_sequences(target, E2E_PROMPT, E2E_K, E2E_SAMPLING)))
+    law = exact_sequences(verifier.next_token_logits, E2E_PROMPT, E2E_K, E2E_SAMPLING)
+    p = pair_p_values(samples, exact_pairs(law))
     assert min(p) > ALPHA / len(p), f"bf16: the output deviates from plain sampling (pair p = {p})"
 
 
@@ -374,7 +384,9 @@ def test_smollm2_whole_generations_at_t_above_0_sample_as_plain_sampling(monkeyp
 
     stack = build_embedded(device=torch.device("cpu"))
     prompt = encode_prompt(stack.tokenizer, "Write one sentence about the sea.", chat=True)
-    tables = exact_pairs(exact_sequences(stack.verifier.model, prompt, SMOLLM2_K, SMOLLM2_SAMPLING))
+    # the engine's own law: its bf16 logits are row-invariant, a batched transformers forward's not
+    law = exact_sequences(stack.verifier.next_token_logits, prompt, SMOLLM2_K, SMOLLM2_SAMPLING)
+    tables = exact_pairs(law)
     hold_taps_open(monkeypatch)
     half, samples, rounds = SMOLLM2_N // 2, [], []
     for i, method in enumerate(("presto-best-first", "taps")):

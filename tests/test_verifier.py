@@ -17,7 +17,7 @@ from presto_sd.engine.messages import (
 from presto_sd.engine.verifier import VerifierLimits
 from presto_sd.method.tree import TokenTree
 from presto_sd.models.packed import Segment
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, in_dtype
 
 PROMPT = [0, 3, 5, 7, 2, 9, 4]
 # root, then 3 children; a grandchild under the 2nd and 3rd; a depth-3 node under the 3rd's child
@@ -44,6 +44,27 @@ def test_tree_logits_equal_causal_path_logits(tiny_target):
     for node in range(len(tree.tokens)):
         ref = full_logits(tiny_target, PROMPT + tree.path_tokens(node))[-1]
         torch.testing.assert_close(logits[node], ref, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_next_token_logits_are_a_rounds_logits_bitwise(tiny_target, dtype):
+    """``next_token_logits`` (no session) reads bitwise what a round's walk reads at each
+    node, the continuations one a call or all at once; it opens no session."""
+    v = HFVerifier(in_dtype(tiny_target, dtype), (0, 2))
+    pre = v.prefill("s", PROMPT)
+    tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
+    seg = Segment(v.sessions["s"].kv, 0, len(tree.tokens), tree.paths())
+    with torch.inference_mode():
+        hidden, _ = v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
+        walked = v.logits(hidden)
+    paths = [tree.path_tokens(node) for node in range(len(tree.tokens))]
+    assert torch.equal(v.next_token_logits(PROMPT, paths), walked)
+    for node, path in enumerate(paths):
+        assert torch.equal(v.next_token_logits(PROMPT, [path])[0], walked[node])
+    # the empty continuation: the prefill's own last row, the law of the first token
+    greedy = v.next_token_logits(PROMPT, [[]]).argmax(-1).item()
+    assert greedy == v.prefill("t", PROMPT).anchor
+    assert set(v.sessions) == {"s", "t"}
 
 
 def test_compacted_kv_equals_ar_kv(tiny_target):

@@ -235,6 +235,50 @@ class HFVerifier(Verifier):
         bias = None if bias is None else bias.to(w.dtype)
         return invariant_linear(hidden.to(w.dtype), w, bias, self.head_kernel or "aten").float()
 
+    @torch.inference_mode()
+    def next_token_logits(self, prompt: Sequence[int],
+                          continuations: Sequence[Sequence[int]]) -> torch.Tensor:
+        """fp32 logits ``[B, V]`` of the token after ``prompt + c`` for each continuation ``c``,
+        bitwise what this engine's AR computes there after prefilling ``prompt``: the prompt's
+        last row from the prefill's forward, a continuation's from a tree over the prompt's
+        KV (its rows are AR steps' rows: that is what makes every method lossless). No
+        session, nothing kept, no admission: exact sampling laws (tests) and scoring."""
+        kv = self.kv_store.session()
+        for hidden, _ in self._prefill_chunks(kv, list(prompt)):
+            last = hidden[-1]
+        out = torch.empty(len(continuations), self.vocab_size, dtype=torch.float32, device=self.device)
+        by_first: dict[int, list[int]] = {}
+        for i, c in enumerate(continuations):
+            if c:
+                by_first.setdefault(c[0], []).append(i)
+            else:
+                out[i] = self.logits(last)
+        for group in by_first.values():  # one tree per first token, written over the same free KV
+            node_of: dict[tuple[int, ...], int] = {}
+            tokens, parents = [], []
+            for i in group:
+                c = tuple(continuations[i])
+                for d in range(1, len(c) + 1):
+                    if c[:d] not in node_of:
+                        node_of[c[:d]] = len(tokens)
+                        tokens.append(c[d - 1])
+                        parents.append(node_of[c[: d - 1]] if d > 1 else -1)
+            tree = TokenTree.from_lists(tokens, parents)
+            rows, _ = self._forward([Segment(kv, 0, len(tokens), tree.paths())], tokens,
+                                    tree.position_ids(len(prompt)))
+            out[group] = self.logits(rows[[node_of[tuple(continuations[i])] for i in group]])
+        return out
+
+    def _prefill_chunks(self, kv: SessionKV,
+                        token_ids: list[int]) -> Generator[tuple[torch.Tensor, torch.Tensor]]:
+        """The prompt's forward a chunk at a time, each chunk's KV committed: yields each
+        chunk's (final hidden states, features)."""
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            chunk = token_ids[start : start + self.prefill_chunk]
+            hidden, f = self._forward([Segment(kv, 0, len(chunk))], chunk, range(start, start + len(chunk)))
+            kv.keep(range(len(chunk)))
+            yield hidden, f
+
     def prefill(
         self,
         session_id: str,
@@ -269,16 +313,13 @@ class HFVerifier(Verifier):
         seat = self._seat(session_id, len(token_ids), restart)
         try:
             kv, feats = self.kv_store.session(), []
-            for start in range(0, len(token_ids), self.prefill_chunk):
-                if start:
-                    yield  # between chunks: the engine may run other sessions' calls
-                chunk = token_ids[start : start + self.prefill_chunk]
-                positions = range(start, start + len(chunk))
-                hidden, f = self._forward([Segment(kv, 0, len(chunk))], chunk, positions)
-                kv.keep(range(len(chunk)))
+            for hidden, f in self._prefill_chunks(kv, token_ids):
+                last = hidden[-1]
                 feats.append(f)
+                if len(feats) * self.prefill_chunk < len(token_ids):
+                    yield  # between chunks: the engine may run other sessions' calls
             call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
-            session, result = self._new_session(call, kv, self.logits(hidden[-1]),
+            session, result = self._new_session(call, kv, self.logits(last),
                                                 torch.cat(feats) if len(feats) > 1 else feats[0])
             self.sessions.open(seat, session)
         finally:
