@@ -60,8 +60,10 @@ from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
 from presto_sd.models import llama
 from presto_sd.models.invariant import (
     MAX_INVARIANT_ROWS,
+    attention_shape,
     install_invariant_linears,
     invariant_linear,
+    pick_attention_kernel,
     pick_linear_kernel,
 )
 from presto_sd.models.llama import Linear
@@ -138,6 +140,9 @@ class HFVerifier(Verifier):
         self.row_invariant = (bool(linears) or linears_ok) and self.head_kernel is not None
         # None: transformers' forward
         self.owned = llama.LlamaDecoder(model, linears, adapter) if owned else None
+        # the decode rows' attention: torch's fused kernel where its rows agree (bf16 here)
+        self.attention_kernel = pick_attention_kernel(*attention_shape(model.config), model.dtype,
+                                                      self.head_weight.device.type)
         self.adapter = adapter
         n_layers = model.config.num_hidden_layers
         if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
@@ -210,13 +215,13 @@ class HFVerifier(Verifier):
         self-draft rows (``MaskChains``), computed by the adapter (owned decoder only)."""
         positions = torch.as_tensor(positions, dtype=torch.long)
         if self.owned is not None:
-            plan = packed_plan(segments, self.device)
+            plan = packed_plan(segments, self.device, self.attention_kernel)
             ids = torch.tensor(input_ids, device=self.device)
             masks = torch.tensor(mask_rows, dtype=torch.long, device=self.device) if mask_rows else None
             last, kept = self.owned.forward(ids, positions.to(self.device), plan, self.target_layer_ids,
                                             mask_rows=masks)
             return last, torch.cat(kept, dim=-1)
-        with packed_forward(self.model, segments):
+        with packed_forward(self.model, segments, self.attention_kernel):
             out = self.decoder(
                 input_ids=torch.tensor([input_ids], device=self.device),
                 position_ids=positions[None].to(self.device),

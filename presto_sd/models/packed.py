@@ -86,12 +86,13 @@ class _Plan:
     segments: tuple[Segment, ...]  # prompt chunks and trees (AR steps are in ``writes``)
     writes: tuple[_Writes, ...]
     groups: tuple[_RowGroup, ...]
+    attention: str = "eager"  # the decode rows' ``row_attention`` kernel
 
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("presto_plan", default=None)
 
 
-def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
+def _plan(segments: Sequence[Segment], device: torch.device, attention: str) -> _Plan:
     steps: dict[int, list[Segment]] = {}
     # (page, width, gathered from slot or -1) -> rows as (query row, slot, length, new keys seen)
     by_key: dict[tuple[int, int, int], list[tuple[int, int, int, tuple[int, ...]]]] = {}
@@ -134,24 +135,26 @@ def _plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
     writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
                            tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
                    for group in steps.values())
-    return _Plan(tuple(rest), writes, tuple(groups))
+    return _Plan(tuple(rest), writes, tuple(groups), attention)
 
 
-def packed_plan(segments: Sequence[Segment], device: torch.device) -> _Plan:
-    """Reserve every segment's KV room and work out what attention does at every layer."""
+def packed_plan(segments: Sequence[Segment], device: torch.device, attention: str = "eager") -> _Plan:
+    """Reserve every segment's KV room and work out what attention does at every layer
+    (``attention``: the decode rows' kernel, one ``pick_attention_kernel`` found row-invariant)."""
     for s in segments:
         s.kv.reserve(s.kv.length + s.n)
-    return _plan(segments, device)
+    return _plan(segments, device, attention)
 
 
 @contextlib.contextmanager
-def packed_forward(model: PreTrainedModel, segments: Sequence[Segment]) -> Iterator[None]:
+def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], attention: str = "eager",
+                   ) -> Iterator[None]:
     """Inside: the transformers model's forward over the packed tokens attends per segment,
     and its linear layers run row-invariant (``invariant.py``; ``install_invariant_linears``).
     (The owned decoder, ``llama.py``, takes the plan as an argument instead.)"""
     configs = _attention_configs(model)
     saved = [c._attn_implementation for c in configs]
-    token = _PLAN.set(packed_plan(segments, model.device))
+    token = _PLAN.set(packed_plan(segments, model.device, attention))
     try:
         for c in configs:
             c._attn_implementation = ATTENTION
@@ -219,12 +222,12 @@ def session_attention(plan: _Plan, module: torch.nn.Module, query: torch.Tensor,
             out[:, new], _ = sdpa_attention_forward(module, query[:, :, new], k, v, mask, **kwargs)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     for g in plan.groups:
-        _group_attention(layer, g, query, out, scaling)
+        _group_attention(layer, g, query, out, scaling, plan.attention)
     return out
 
 
 def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.Tensor,
-                     scaling: float) -> None:
+                     scaling: float, kernel: str) -> None:
     """One row group's attention, into its rows of ``out``."""
     page = g.page
     kv_heads, head_dim = page.shape
@@ -234,12 +237,12 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
         index = g.positions.flatten()
         k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
         v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
-        attn = row_attention(q.transpose(0, 1), k, v, g.hidden[None], scaling).transpose(0, 1)
+        attn = row_attention(q.transpose(0, 1), k, v, g.hidden[None], scaling, kernel).transpose(0, 1)
     else:  # AR steps: only their own slots' first keys, copied out contiguous (a strided
         # view of a page's slot range would be copied by the matmul anyway, transposed)
         k = page.keys[layer][:, :, : g.width].index_select(0, g.slots)
         v = page.values[layer][:, :, : g.width].index_select(0, g.slots)
-        attn = row_attention(q, k, v, g.hidden[:, None], scaling)
+        attn = row_attention(q, k, v, g.hidden[:, None], scaling, kernel)
     out[0, g.rows] = attn.reshape(n, -1, head_dim)
 
 
