@@ -24,7 +24,8 @@ WEIGHTS_CHOICES = ("dense", "gguf-int4")  # presto_sd.models.quant.WEIGHTS, with
 WEIGHTS_HELP = ("the verifier's linear weights: dense = the loaded model's; gguf-int4 = the target GGUF's "
                 "own Q4_1 blocks (and its Q8_0 head) through torch's int4 CPU kernel (bf16 activations "
                 "where the CPU has native bf16; its rows probed at load), the owned decoder only: the "
-                "fastest single stream on such a CPU, with --budget 3. Either way every method "
+                "fastest single stream on such a CPU, with --method ar (its trees cost more than they "
+                "save there). Either way every method "
                 "is bitwise that mode's own AR (default: %(default)s)")
 METHOD_HELP = "; ".join(f"{m.name} = {m.help}" for m in METHODS.values())
 
