@@ -65,6 +65,8 @@ def test_next_token_logits_are_a_rounds_logits_bitwise(tiny_target, dtype):
     greedy = v.next_token_logits(PROMPT, [[]]).argmax(-1).item()
     assert greedy == v.prefill("t", PROMPT).anchor
     assert set(v.sessions) == {"s", "t"}
+    with pytest.raises(ValueError, match="empty prompt"):
+        v.next_token_logits([], [[1]])
 
 
 def test_compacted_kv_equals_ar_kv(tiny_target):

@@ -248,6 +248,8 @@ class HFVerifier(Verifier):
         last row from the prefill's forward, a continuation's from a tree over the prompt's
         KV (its rows are AR steps' rows: that is what makes every method lossless). No
         session, nothing kept, no admission: exact sampling laws (tests) and scoring."""
+        if not prompt:
+            raise ValueError("next_token_logits: an empty prompt (the law starts after a prefill)")
         kv = self.kv_store.session()
         for hidden, _ in self._prefill_chunks(kv, list(prompt)):
             last = hidden[-1]
