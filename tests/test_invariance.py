@@ -131,14 +131,14 @@ def test_row_attention_rows_agree_in_every_batch_and_layout(dtype, context, kern
 
     def in_place(rows: slice) -> torch.Tensor:
         k = page[rows, :, :width]
-        return row_attention(q[rows], k, k, hidden[rows, None], scale, kernel)
+        return row_attention(q[rows], k, k, ~hidden[rows, None], scale, kernel)
 
     with torch.inference_mode():
         alone = torch.cat([in_place(slice(i, i + 1)) for i in range(slots)])
         for r in (2, 3, 5, 8):
             assert torch.equal(in_place(slice(0, r)), alone[:r]), r
         gathered = page[:, :, :width].transpose(0, 1).contiguous()  # [kv_heads, slots, width, 64]
-        by_head = row_attention(q.transpose(0, 1), gathered, gathered, hidden[None], scale, kernel)
+        by_head = row_attention(q.transpose(0, 1), gathered, gathered, ~hidden[None], scale, kernel)
         assert torch.equal(by_head.transpose(0, 1), alone)
 
 
@@ -147,8 +147,8 @@ def test_an_attention_kernel_whose_rows_follow_the_batch_is_not_picked(monkeypat
     on some CPUs), and the verifier falls back to the eager ops."""
     fused = invariant.ATTENTION_KERNELS["sdpa"]
 
-    def by_batch(q, k, v, hidden, scaling):
-        out = fused(q, k, v, hidden, scaling)
+    def by_batch(q, k, v, visible, scaling):
+        out = fused(q, k, v, visible, scaling)
         return out if q.shape[0] * q.shape[1] <= 3 else out * (1 + torch.finfo(out.dtype).eps)
 
     monkeypatch.setitem(invariant.ATTENTION_KERNELS, "sdpa", by_batch)

@@ -202,20 +202,20 @@ def key_width(length: int) -> int:
     return -(-length // KEY_BLOCK) * KEY_BLOCK
 
 
-def _eager_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+def _eager_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                 scaling: float) -> torch.Tensor:
     # transformers' eager attention: scores in the model dtype, softmax in fp32
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(hidden[..., None, :], float("-inf"))
+    scores = torch.where(visible[..., None, :], scores, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values)
 
 
-def _sdpa_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+def _sdpa_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                scaling: float) -> torch.Tensor:
     # torch's fused CPU kernel (flash, fp32 accumulation): one call for the matmuls, the mask
     # and the softmax; ~2x the eager ops' speed at decode shapes (bf16, 2 cores)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=~hidden[..., None, :], scale=scaling)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[..., None, :], scale=scaling)
 
 
 # candidates, fastest first: the first whose rows agree at the model's shapes is used
@@ -223,17 +223,18 @@ ATTENTION_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa_rows,
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  hidden: torch.Tensor, scaling: float, kernel: str = "eager") -> torch.Tensor:
+                  visible: torch.Tensor, scaling: float, kernel: str = "eager") -> torch.Tensor:
     """Per-row attention: query ``[A, B, group, head_dim]`` (a row's query heads grouped by
     the KV head they share; rows and KV heads as the two batch dims, either order), keys /
-    values ``[A, B, W, head_dim]``; ``hidden`` ``[A, B, W]`` (broadcast): True for the keys
-    a row does not see. Returns ``[A, B, group, head_dim]``: one ``[group, W]`` attention per
-    row and KV head, whatever the batch, through ``kernel`` (``ATTENTION_KERNELS``; "eager"
-    holds by construction, "sdpa" where ``attention_rows_agree`` finds it does).
+    values ``[A, B, W, head_dim]``; ``visible`` ``[A, B, W]`` (broadcast): True for the keys
+    a row sees (SDPA's mask convention: worked out once a forward, not per layer). Returns
+    ``[A, B, group, head_dim]``: one ``[group, W]`` attention per row and KV head, whatever
+    the batch, through ``kernel`` (``ATTENTION_KERNELS``; "eager" holds by construction,
+    "sdpa" where ``attention_rows_agree`` finds it does).
 
     The masked keys get weight exactly 0; they must hold finite values (0 * NaN is NaN).
     """
-    return ATTENTION_KERNELS[kernel](query, keys, values, hidden, scaling)
+    return ATTENTION_KERNELS[kernel](query, keys, values, visible, scaling)
 
 
 ATTENTION_PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)
@@ -255,13 +256,13 @@ def attention_rows_agree(kernel: str, kv_heads: int, group: int, head_dim: int, 
             seen = torch.randint(max(1, w - KEY_BLOCK + 1), w + 1, (r,), generator=g)
             hidden = (torch.arange(w)[None] >= seen[:, None]).to(device)  # [R, W]
 
-            def attend(q, k, v, m=r, hidden=hidden[:, None]):
-                return row_attention(q[:m], k[:m], v[:m], hidden[:m], scaling, kernel)
+            def attend(q, k, v, m=r, visible=~hidden[:, None]):
+                return row_attention(q[:m], k[:m], v[:m], visible[:m], scaling, kernel)
 
             ref = attend(q, k, v)
             # as a tree's call: its queries a transposed view, its gathered keys contiguous
             k_first, v_first = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-            tree = row_attention(q.transpose(0, 1), k_first, v_first, hidden[None], scaling, kernel)
+            tree = row_attention(q.transpose(0, 1), k_first, v_first, ~hidden[None], scaling, kernel)
             masked = hidden[:, None, :, None]
             if not (all(torch.equal(attend(q, k, v, m), ref[:m]) for m in ATTENTION_PROBE_ROWS)
                     and torch.equal(tree.transpose(0, 1), ref)

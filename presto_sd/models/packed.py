@@ -56,14 +56,14 @@ class _RowGroup:
     ``positions`` None: the rows are AR steps, each reading the first ``width`` keys of its
     slot (``slots [R]``). Else one session's tree nodes, ``positions [R, width]`` the key
     positions in its slot (the committed prefix, then the node's ancestors, then 0s,
-    masked). ``hidden [R, width]`` masks each row's keys past its own: worked out once for
-    every layer.
+    masked). ``visible [R, width]`` is True for each row's own keys (the rest masked):
+    worked out once for every layer.
     """
 
     page: KVPage
     rows: torch.Tensor  # query indices in the packed sequence [R]
     width: int
-    hidden: torch.Tensor
+    visible: torch.Tensor
     positions: torch.Tensor | None = None
     slot: int = 0  # a tree's: the session's slot
     slots: torch.Tensor | None = None  # AR steps': each row's slot
@@ -123,15 +123,15 @@ def _plan(segments: Sequence[Segment], device: torch.device, attention: str) -> 
         page = pages[page_id]
         seen = torch.tensor([length + len(new) for _, _, length, new in rows])
         queries = tensor([r[0] for r in rows])
-        hidden = (torch.arange(width)[None] >= seen[:, None]).to(device)
+        visible = (torch.arange(width)[None] < seen[:, None]).to(device)
         if gather >= 0:  # the committed prefix, then the row's new keys, then 0s (masked)
             positions = torch.arange(width).repeat(len(rows), 1)
             for r, (_, _, length, new) in enumerate(rows):
                 positions[r, length : length + len(new)] = length + torch.tensor(new)
                 positions[r, length + len(new) :] = 0
-            groups.append(_RowGroup(page, queries, width, hidden, positions.to(device), slot=gather))
+            groups.append(_RowGroup(page, queries, width, visible, positions.to(device), slot=gather))
         else:
-            groups.append(_RowGroup(page, queries, width, hidden, slots=tensor([r[1] for r in rows])))
+            groups.append(_RowGroup(page, queries, width, visible, slots=tensor([r[1] for r in rows])))
     writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
                            tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
                    for group in steps.values())
@@ -237,12 +237,12 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
         index = g.positions.flatten()
         k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
         v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
-        attn = row_attention(q.transpose(0, 1), k, v, g.hidden[None], scaling, kernel).transpose(0, 1)
+        attn = row_attention(q.transpose(0, 1), k, v, g.visible[None], scaling, kernel).transpose(0, 1)
     else:  # AR steps: only their own slots' first keys, copied out contiguous (a strided
         # view of a page's slot range would be copied by the matmul anyway, transposed)
         k = page.keys[layer][:, :, : g.width].index_select(0, g.slots)
         v = page.values[layer][:, :, : g.width].index_select(0, g.slots)
-        attn = row_attention(q, k, v, g.hidden[:, None], scaling, kernel)
+        attn = row_attention(q, k, v, g.visible[:, None], scaling, kernel)
     out[0, g.rows] = attn.reshape(n, -1, head_dim)
 
 
