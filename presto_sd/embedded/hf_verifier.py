@@ -59,6 +59,7 @@ from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
 from presto_sd.models import llama
 from presto_sd.models.invariant import (
+    KEY_BLOCK,
     MAX_INVARIANT_ROWS,
     attention_shape,
     install_invariant_linears,
@@ -109,6 +110,7 @@ class HFVerifier(Verifier):
         adapter: SelfDraftAdapter | None = None,  # self-speculative mask rows (needs the owned decoder)
         head: Linear | None = None,  # a row-invariant lm_head kernel (fp32 logits): the GGUF's Q8_0
         walk_rows: int = WALK_ROWS,  # a tree's nodes whose logits come in one head matmul
+        compile: bool = False,  # the owned decoder's decode-row forwards through torch.compile
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
@@ -136,10 +138,12 @@ class HFVerifier(Verifier):
             raise ValueError(f"linears replace the owned decoder's: decoder {decoder!r} does not run it here")
         if adapter is not None and not owned:
             raise ValueError(f"a self-draft adapter runs in the owned decoder: decoder {decoder!r} does not")
+        if compile and not owned:
+            raise ValueError(f"compile runs the owned decoder: decoder {decoder!r} does not run it here")
         # given linears are probed row-invariant by their maker (quant.int4_linears)
         self.row_invariant = (bool(linears) or linears_ok) and self.head_kernel is not None
         # None: transformers' forward
-        self.owned = llama.LlamaDecoder(model, linears, adapter) if owned else None
+        self.owned = llama.LlamaDecoder(model, linears, adapter, compile) if owned else None
         # the decode rows' attention: torch's fused kernel where its rows agree (bf16 here)
         self.attention_kernel = pick_attention_kernel(*attention_shape(model.config), model.dtype,
                                                       self.head_weight.device.type)
@@ -171,6 +175,8 @@ class HFVerifier(Verifier):
         self.feature_row_bytes = len(self.target_layer_ids) * model.config.hidden_size * model.dtype.itemsize
         # TAPS's c(B): None until calibrate_cost(), then refined by every tree forward
         self.forward_costs = OnlineCostModel()
+        if compile:
+            self.warm_compiled()
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +196,27 @@ class HFVerifier(Verifier):
             row_invariant=self.row_invariant,
             self_draft_block=self.adapter.config.block if self.adapter is not None else 0,
         )
+
+    def warm_compiled(self) -> None:
+        """Compile the AR-step graphs now (``compile``) on scratch sessions, so that no
+        generation waits on the compiler: a lone step whose keys lie inside its KV slot, one
+        whose keys fill it (a view the size of the slot is another graph), and two sessions'
+        steps in one forward. (Inductor caches them on disk: later loads are quicker.)"""
+        sizes = {"a": KEY_BLOCK // 2, "b": KEY_BLOCK // 2, "full": self.kv_store.min_capacity - 2}
+        ids = {name: f"presto-sd:warm-compile:{name}" for name in sizes}
+        try:
+            for name, n in sizes.items():
+                self.prefill(ids[name], [0] * n)
+            for name in ("a", "full"):
+                s = self.sessions[ids[name]]
+                self.verify(ids[name], s.base, TokenTree.root_only(s.tokens[-1]))
+            steps = [self.sessions[ids[name]] for name in ("a", "b")]
+            self.verify_batch([VerifyCall(ids[name], s.base, TokenTree.root_only(s.tokens[-1]))
+                               for name, s in zip(("a", "b"), steps)])
+        finally:
+            for sid in ids.values():
+                if sid in self.sessions:
+                    self.close(sid)
 
     def calibrate_cost(self) -> CostFit:
         """Time forwards over tree sizes and contexts; later forwards refine the fit."""

@@ -109,10 +109,12 @@ def drafter_engine(model: PreTrainedModel, assets: DrafterAssets, max_sessions: 
 def verifier_engine(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, target: str | None, assets: DrafterAssets,
     limits: VerifierLimits = VerifierLimits(), prefill_chunk: int = 512, decoder: str = "auto",
-    weights: str = "dense", adapter: SelfDraftAdapter | None = None,
+    weights: str = "dense", adapter: SelfDraftAdapter | None = None, compile: bool = False,
 ) -> HFVerifier:
     """The target emitting the features the drafter was trained on (its ``target_layer_ids``);
-    ``weights`` "gguf-int4": its linears from the target GGUF's own Q4_1 blocks (``quant``)."""
+    ``weights`` "gguf-int4": its linears from the target GGUF's own Q4_1 blocks (``quant``);
+    ``compile``: its AR steps' forwards through torch.compile (``models/compiled.py``; an
+    experiment, not a CLI flag: docs/benchmarks.md says why)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r}: one of {', '.join(WEIGHTS)}")
     linears, head, walk_rows = None, None, WALK_ROWS
@@ -125,7 +127,7 @@ def verifier_engine(
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
                       eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
                       prefill_chunk=prefill_chunk, decoder=decoder, linears=linears, adapter=adapter,
-                      head=head, walk_rows=walk_rows)
+                      head=head, walk_rows=walk_rows, compile=compile)
 
 
 def weights_dtype(weights: str, dtype: torch.dtype | None) -> torch.dtype | None:

@@ -57,6 +57,24 @@ MAX_INVARIANT_ROWS = 1024
 PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 65, 128, 257, 512, MAX_INVARIANT_ROWS)
 
 
+@torch.library.custom_op("presto_sd::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    return LINEAR_KERNELS[kernel](x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    # in a compiled graph (``compiled.py``) an opaque op: inductor calls this very kernel
+    # instead of lowering the matmul its own way (its bias add apart, its own GEMM)
+    if torch.compiler.is_compiling():
+        return _linear_op(x, weight, bias, kernel)
+    return LINEAR_KERNELS[kernel](x, weight, bias)
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      kernel: str = "aten") -> torch.Tensor:
     """``kernel``'s linear with every row computed as in any call of >= 2 rows: a lone row
@@ -64,13 +82,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     rounded its own way: bf16's 1536->576 projection here gives a lone row that differs
     in ~1 of 6 random rows, so "alone agrees" cannot be probed reliably; it is not tried.)"""
     if x.dim() == 2 and x.shape[0] > 1:  # rows as they are (the owned decoder's)
-        return LINEAR_KERNELS[kernel](x, weight, bias)
+        return _linear(x, weight, bias, kernel)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     if m == 1:
         rows = torch.cat([rows, rows])
-    out = LINEAR_KERNELS[kernel](rows, weight, bias)
+    out = _linear(rows, weight, bias, kernel)
     return out[:m].reshape(*lead, out.shape[-1])
 
 
@@ -234,7 +252,24 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     The masked keys get weight exactly 0; they must hold finite values (0 * NaN is NaN).
     """
+    if kernel == "eager" and torch.compiler.is_compiling():
+        # opaque in a compiled graph: inductor's softmax sums its own way (SDPA's fused
+        # kernel is an ATen call there as it is eager)
+        return _row_attention_op(query, keys, values, visible, scaling, kernel)
     return ATTENTION_KERNELS[kernel](query, keys, values, visible, scaling)
+
+
+@torch.library.custom_op("presto_sd::row_attention", mutates_args=())
+def _row_attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                      scaling: float, kernel: str) -> torch.Tensor:
+    # contiguous: an op's output must have the strides its fake says (a tree's is transposed)
+    return ATTENTION_KERNELS[kernel](query, keys, values, visible, scaling).contiguous()
+
+
+@_row_attention_op.register_fake
+def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+      scaling: float, kernel: str) -> torch.Tensor:
+    return query.new_empty(*query.shape[:-1], values.shape[-1])
 
 
 ATTENTION_PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from presto_sd.models.compiled import CompiledForward
 from presto_sd.models.invariant import fusion_kernel_agrees, invariant_linear, pick_linear_kernel
 from presto_sd.models.packed import packed_plan, session_attention
 from presto_sd.models.quant import Int4Linear
@@ -120,17 +121,18 @@ class LlamaDecoder:
     ``linears``: kernels that replace the model's own, by module name under the decoder
     (``layers.3.mlp.up_proj``): the GGUF's int4 blocks (``quant.int4_linears``).
     ``adapter``: the self-speculative adapter, applied to the rows a forward names as mask
-    rows only (``self_draft.py``); every other row is computed as without it."""
+    rows only (``self_draft.py``); every other row is computed as without it.
+    ``compile``: forwards of decode rows (AR steps, tree nodes) through torch.compile, where
+    bitwise this eager forward (``compiled.py``): ~2,000 ops a step dispatched as one graph."""
 
     def __init__(self, model: PreTrainedModel, linears: Mapping[str, Linear] | None = None,
-                 adapter: SelfDraftAdapter | None = None) -> None:
+                 adapter: SelfDraftAdapter | None = None, compile: bool = False) -> None:
         if not supports(model):
             raise ValueError(f"{model.config.model_type!r} is not a Llama-family model: {FAMILY}")
         inner = model.get_decoder()
         c = model.config
-        self.eps = c.rms_norm_eps
-        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.dims = _Dims(c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
+                          getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight
@@ -144,6 +146,8 @@ class LlamaDecoder:
         if adapter is not None:
             adapter.check_target(model)
         self.deltas = MaskRowDeltas(adapter, self.embed.device) if adapter is not None else None
+        # the forward of decode rows compiled whole, where bitwise this eager one (``compiled.py``)
+        self.compiled = CompiledForward(self.layers_forward) if compile else None
 
     @staticmethod
     def _layer(i: int, layer: torch.nn.Module, linears: Mapping[str, Linear]) -> _Layer:
@@ -165,12 +169,6 @@ class LlamaDecoder:
                       _fused((m.gate_proj, m.up_proj), given("mlp.gate_proj", "mlp.up_proj")),
                       lin("mlp.down_proj", m.down_proj))
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm, op for op: fp32 statistics, the weight in the input dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan,
                 keep_layers: Sequence[int] = (), mask_rows: torch.Tensor | None = None,
@@ -182,7 +180,6 @@ class LlamaDecoder:
         real = input_ids.shape[0]
         if real == 1 and self.pad_lone_row:
             input_ids, positions = input_ids.repeat(2), positions.repeat(2)
-        n = input_ids.shape[0]
         h = self.embed[input_ids]  # [N, H]: the linears' rows as they are, no reshapes
         deltas = None  # the adapter, at mask rows only: every other row is the linears' alone
         if mask_rows is not None and len(mask_rows) > 0:
@@ -190,50 +187,120 @@ class LlamaDecoder:
                 raise ValueError("mask rows need a self-draft adapter")
             deltas = self.deltas
             h[mask_rows] = deltas.mask_embed.to(h.dtype)
+        # eager always: inductor's vectorized cos rounds its own way
         cos, sin = self.rotary(h, positions[None])  # [1, N, head_dim], in h's dtype
         # transformers' q * cos + rotate_half(q) * sin with rotate_half(q) = cat(-q2, q1) as
         # roll(q) * cat(-sin1, sin2): the same products ((-a) b = -(a b) exactly), one op not four
-        half = self.head_dim // 2
+        half = self.dims.head_dim // 2
         cos, sin = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, None]
+        keep = tuple(keep_layers)
+        if self.compiled is not None and deltas is None and self.compiled.takes(h, plan):
+            out, kept = self.compiled(h, cos, sin, plan, keep)
+        else:
+            out, kept = self.layers_forward(h, cos, sin, plan, keep, deltas, mask_rows)
+        return out[:real], [k[:real] for k in kept]
+
+    def layers_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan,
+                       keep_layers: tuple[int, ...], deltas: MaskRowDeltas | None = None,
+                       mask_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder layers and the final norm over the embedded rows ``h`` ``[N, H]``
+        (what ``compile`` compiles): (the normed output, ``keep_layers``' outputs)."""
+        n = h.shape[0]
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = self._norm(h, layer.input_norm)
-            qkv = layer.qkv(x)
-            if deltas is not None:
-                deltas.add(i, 0, x, (qkv,), mask_rows)
-            q, k, v = qkv.split(layer.qkv_sizes, -1)
-            q = q.view(1, n, self.heads, self.head_dim)
-            k = k.view(1, n, self.kv_heads, self.head_dim)
-            v = v.view(1, n, self.kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
+            add = None if deltas is None else _layer_deltas(deltas, i, mask_rows)
+            q, k, v = _attention_in(self.dims, layer, h, cos, sin, add)
             attn = session_attention(plan, layer.attn, q, k, v, dropout=0.0,
                                      scaling=layer.attn.scaling)  # [1, N, heads, head_dim]
-            attn = attn.reshape(n, -1)
-            o = layer.o(attn)
-            if deltas is not None:
-                deltas.add(i, 1, attn, (o,), mask_rows)
-            h = h + o
-            x = self._norm(h, layer.post_norm)
-            gate_up = layer.gate_up(x)
-            if deltas is not None:
-                deltas.add(i, 2, x, (gate_up,), mask_rows)
-            gate, up = gate_up.chunk(2, -1)
-            act = torch.nn.functional.silu(gate) * up
-            down = layer.down(act)
-            if deltas is not None:
-                deltas.add(i, 3, act, (down,), mask_rows)
-            h = h + down
+            h = _attention_out(self.dims, layer, h, attn.reshape(n, -1), add)
             if i in keep_layers:
-                kept[i] = h[:real]
-        out = self._norm(h, self.final_norm)[:real]
+                kept[i] = h
+        out = _norm(h, self.final_norm, self.dims.eps)
         # transformers' hidden_states[i + 1], which DFlash's target_layer_ids index: the last
         # layer's entry there is the normed output
         kept[len(self.layers) - 1] = out
         return out, [kept[i] for i in keep_layers]
+
+
+@dataclass(frozen=True)
+class _Dims:
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+Deltas = Callable[[int, torch.Tensor, tuple[torch.Tensor, ...]], None]  # (group, input, outputs)
+
+
+def _layer_deltas(deltas: MaskRowDeltas, layer: int, rows: torch.Tensor) -> Deltas:
+    return lambda group, x, outs: deltas.add(layer, group, x, outs, rows)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm, op for op: fp32 statistics, the weight in the input dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(_mean_square(h) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _mean_square(h: torch.Tensor) -> torch.Tensor:
+    # compiled (``compiled.py``): an opaque op, ATen's reduction order (inductor sums its own way)
+    if torch.compiler.is_compiling():
+        return _mean_square_op(h)
+    return h.pow(2).mean(-1, keepdim=True)
+
+
+@torch.library.custom_op("presto_sd::mean_square", mutates_args=())
+def _mean_square_op(h: torch.Tensor) -> torch.Tensor:
+    return h.pow(2).mean(-1, keepdim=True)
+
+
+@_mean_square_op.register_fake
+def _(h: torch.Tensor) -> torch.Tensor:
+    return h.new_empty(*h.shape[:-1], 1)
+
+
+def _attention_in(c: _Dims, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  deltas: Deltas | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer up to its attention: RMSNorm -> q/k/v -> (Qwen3's q/k norms) -> RoPE; h ``[N, H]``
+    -> q ``[1, heads, N, head_dim]``, k and v ``[1, kv_heads, N, head_dim]``."""
+    n = h.shape[0]
+    x = _norm(h, layer.input_norm, c.eps)
+    qkv = layer.qkv(x)
+    if deltas is not None:
+        deltas(0, x, (qkv,))
+    q, k, v = qkv.split(layer.qkv_sizes, -1)
+    q = q.view(1, n, c.heads, c.head_dim)
+    k = k.view(1, n, c.kv_heads, c.head_dim)
+    v = v.view(1, n, c.kv_heads, c.head_dim)
+    if layer.q_norm is not None:
+        q, k = _norm(q, layer.q_norm, c.eps), _norm(k, layer.k_norm, c.eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    half = c.head_dim // 2
+    q = q * cos + q.roll(half, -1) * sin
+    k = k * cos + k.roll(half, -1) * sin
+    return q, k, v
+
+
+def _attention_out(c: _Dims, layer: _Layer, h: torch.Tensor, attn: torch.Tensor,
+                   deltas: Deltas | None = None) -> torch.Tensor:
+    """A layer from its attention's output ``[N, heads * head_dim]``: o -> residual -> RMSNorm ->
+    gate/up -> SiLU -> down -> residual; returns the layer's output ``[N, H]``."""
+    o = layer.o(attn)
+    if deltas is not None:
+        deltas(1, attn, (o,))
+    h = h + o
+    x = _norm(h, layer.post_norm, c.eps)
+    gate_up = layer.gate_up(x)
+    if deltas is not None:
+        deltas(2, x, (gate_up,))
+    gate, up = gate_up.chunk(2, -1)
+    act = torch.nn.functional.silu(gate) * up
+    down = layer.down(act)
+    if deltas is not None:
+        deltas(3, act, (down,))
+    return h + down
 
 
 __all__ = ["FAMILY", "LlamaDecoder", "packed_plan", "supports"]

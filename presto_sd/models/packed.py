@@ -71,19 +71,20 @@ class _RowGroup:
 
 @dataclass(frozen=True)
 class _Writes:
-    """AR steps of one page: their new K/V entries, written in one call per layer."""
+    """The decode rows (AR steps, tree nodes) of one page: their new K/V entries, written in
+    one call per layer, row ``rows[i]``'s at ``positions[i]`` of slot ``slots[i]``."""
 
     page: KVPage
     rows: torch.Tensor
     slots: torch.Tensor
-    lengths: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What a packed forward's attention does at every layer, worked out once."""
 
-    segments: tuple[Segment, ...]  # prompt chunks and trees (AR steps are in ``writes``)
+    chunks: tuple[Segment, ...]  # prompt chunks (the decode rows' entries are in ``writes``)
     writes: tuple[_Writes, ...]
     groups: tuple[_RowGroup, ...]
     attention: str = "eager"  # the decode rows' ``row_attention`` kernel
@@ -93,27 +94,27 @@ _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("presto_pla
 
 
 def _plan(segments: Sequence[Segment], device: torch.device, attention: str) -> _Plan:
-    steps: dict[int, list[Segment]] = {}
+    # page -> its decode rows' new entries as (query row, slot, position): written in one call
+    writes: dict[int, list[tuple[int, int, int]]] = {}
     # (page, width, gathered from slot or -1) -> rows as (query row, slot, length, new keys seen)
     by_key: dict[tuple[int, int, int], list[tuple[int, int, int, tuple[int, ...]]]] = {}
     pages: dict[int, KVPage] = {}
-    rest: list[Segment] = []  # prompt chunks and trees: written segment by segment
+    chunks: list[Segment] = []  # prompt chunks: written and attended segment by segment
     for s in segments:
-        if s.ancestors is not None or s.n > 1:
-            rest.append(s)
         if not s.decode_rows:
+            chunks.append(s)
             continue
-        page, length = s.kv.page, s.kv.length
+        page, length, slot = s.kv.page, s.kv.length, s.kv.slot
         pages[id(page)] = page
+        writes.setdefault(id(page), []).extend((s.start + i, slot, length + i) for i in range(s.n))
         if s.ancestors is None:  # an AR step: its key is written at ``length``, its slot read from 0
-            steps.setdefault(id(page), []).append(s)
             width = key_width(length + 1)
-            gather = s.kv.slot if width > page.capacity else -1
-            by_key.setdefault((id(page), width, gather), []).append((s.start, s.kv.slot, length, (0,)))
+            gather = slot if width > page.capacity else -1
+            by_key.setdefault((id(page), width, gather), []).append((s.start, slot, length, (0,)))
             continue
         for i, path in enumerate(s.ancestors):  # a tree node: its keys gathered
-            by_key.setdefault((id(page), key_width(length + len(path)), s.kv.slot), []).append(
-                (s.start + i, s.kv.slot, length, path))
+            by_key.setdefault((id(page), key_width(length + len(path)), slot), []).append(
+                (s.start + i, slot, length, path))
 
     def tensor(values) -> torch.Tensor:
         return torch.tensor(values, device=device)
@@ -132,10 +133,9 @@ def _plan(segments: Sequence[Segment], device: torch.device, attention: str) -> 
             groups.append(_RowGroup(page, queries, width, visible, positions.to(device), slot=gather))
         else:
             groups.append(_RowGroup(page, queries, width, visible, slots=tensor([r[1] for r in rows])))
-    writes = tuple(_Writes(group[0].kv.page, tensor([s.start for s in group]),
-                           tensor([s.kv.slot for s in group]), tensor([s.kv.length for s in group]))
-                   for group in steps.values())
-    return _Plan(tuple(rest), writes, tuple(groups), attention)
+    plan_writes = tuple(_Writes(pages[page_id], *(tensor(list(column)) for column in zip(*entries)))
+                        for page_id, entries in writes.items())
+    return _Plan(tuple(chunks), plan_writes, tuple(groups), attention)
 
 
 def packed_plan(segments: Sequence[Segment], device: torch.device, attention: str = "eager") -> _Plan:
@@ -209,17 +209,16 @@ def session_attention(plan: _Plan, module: torch.nn.Module, query: torch.Tensor,
     """``_session_attention`` with its plan given: [1, heads, N, head_dim] -> [1, N, heads, head_dim]."""
     layer = module.layer_idx
     out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-    for w in plan.writes:  # AR steps: one write per page
-        w.page.keys[layer][w.slots, :, w.lengths] = key[0, :, w.rows].transpose(0, 1)
-        w.page.values[layer][w.slots, :, w.lengths] = value[0, :, w.rows].transpose(0, 1)
-    for s in plan.segments:
+    for w in plan.writes:  # the decode rows' entries: one write per page
+        w.page.keys[layer][w.slots, :, w.positions] = key[0, :, w.rows].transpose(0, 1)
+        w.page.values[layer][w.slots, :, w.positions] = value[0, :, w.rows].transpose(0, 1)
+    for s in plan.chunks:  # a prompt chunk attends by itself, causal
         new = slice(s.start, s.start + s.n)
         k, v = s.kv.write(layer, key[:, :, new], value[:, :, new])
-        if not s.decode_rows:
-            mask = None
-            if s.kv.length > 0:  # a chunk after a prefix: causal, aligned right
-                mask = _causal_mask(s.kv.length, s.n, query.dtype, query.device)
-            out[:, new], _ = sdpa_attention_forward(module, query[:, :, new], k, v, mask, **kwargs)
+        mask = None
+        if s.kv.length > 0:  # a chunk after a prefix: causal, aligned right
+            mask = _causal_mask(s.kv.length, s.n, query.dtype, query.device)
+        out[:, new], _ = sdpa_attention_forward(module, query[:, :, new], k, v, mask, **kwargs)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     for g in plan.groups:
         _group_attention(layer, g, query, out, scaling, plan.attention)
@@ -231,17 +230,17 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
     """One row group's attention, into its rows of ``out``."""
     page = g.page
     kv_heads, head_dim = page.shape
-    n = len(g.rows)
+    n, width = len(g.rows), g.visible.shape[-1]  # the width as a tensor's size: symbolic when compiled
     q = query[0, :, g.rows].transpose(0, 1).reshape(n, kv_heads, -1, head_dim)  # [R, kv, group, hd]
     if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]
         index = g.positions.flatten()
-        k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
-        v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, g.width, head_dim)
+        k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, width, head_dim)
+        v = page.values[layer][g.slot].index_select(1, index).view(kv_heads, n, width, head_dim)
         attn = row_attention(q.transpose(0, 1), k, v, g.visible[None], scaling, kernel).transpose(0, 1)
     else:  # AR steps: only their own slots' first keys, copied out contiguous (a strided
         # view of a page's slot range would be copied by the matmul anyway, transposed)
-        k = page.keys[layer][:, :, : g.width].index_select(0, g.slots)
-        v = page.values[layer][:, :, : g.width].index_select(0, g.slots)
+        k = page.keys[layer][:, :, :width].index_select(0, g.slots)
+        v = page.values[layer][:, :, :width].index_select(0, g.slots)
         attn = row_attention(q, k, v, g.visible[:, None], scaling, kernel)
     out[0, g.rows] = attn.reshape(n, -1, head_dim)
 

@@ -94,6 +94,23 @@ class Q4Blocks:
         return cls(q.view(n, k).int(), d, m)
 
 
+@torch.library.custom_op("presto_sd::int4_mm", mutates_args=())
+def _int4_mm_op(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+
+
+@_int4_mm_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    # in a compiled graph (``compiled.py``) an opaque op: this kernel, not inductor's lowering
+    if torch.compiler.is_compiling():
+        return _int4_mm_op(x, packed, scales_zeros)
+    return torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+
+
 class Int4Linear:
     """``x @ w.T`` with ``w`` the Q4_1 blocks, through torch's int4 CPU kernel in ``dtype``."""
 
@@ -109,10 +126,10 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # rows as they are (the owned decoder's)
-            return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+            return _int4_mm(x, self.packed, self.scales_zeros)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
+        out = _int4_mm(rows, self.packed, self.scales_zeros)
         return out.reshape(*lead, self.out_features)
 
     @classmethod
