@@ -122,8 +122,8 @@ class LlamaDecoder:
     (``layers.3.mlp.up_proj``): the GGUF's int4 blocks (``quant.int4_linears``).
     ``adapter``: the self-speculative adapter, applied to the rows a forward names as mask
     rows only (``self_draft.py``); every other row is computed as without it.
-    ``compile``: forwards of decode rows (AR steps, tree nodes) through torch.compile, where
-    bitwise this eager forward (``compiled.py``): ~2,000 ops a step dispatched as one graph."""
+    ``compile``: the forwards of AR steps through torch.compile, where bitwise this eager
+    forward (``compiled.py``: an engine option, slower end to end for now)."""
 
     def __init__(self, model: PreTrainedModel, linears: Mapping[str, Linear] | None = None,
                  adapter: SelfDraftAdapter | None = None, compile: bool = False) -> None:
@@ -146,7 +146,7 @@ class LlamaDecoder:
         if adapter is not None:
             adapter.check_target(model)
         self.deltas = MaskRowDeltas(adapter, self.embed.device) if adapter is not None else None
-        # the forward of decode rows compiled whole, where bitwise this eager one (``compiled.py``)
+        # AR steps' layers compiled whole, where bitwise the eager ones (``compiled.py``)
         self.compiled = CompiledForward(self.layers_forward) if compile else None
 
     @staticmethod
