@@ -18,6 +18,7 @@ from presto_sd.embedded.stack import build_embedded
 def test_build_embedded_takes_the_decoder(tiny_target_dir, decoder, owned):
     stack = build_embedded(str(tiny_target_dir), "random", dtype=torch.float32, decoder=decoder)
     assert (stack.verifier.owned is not None) is owned
+    assert stack.verifier.info().decoder == ("owned" if owned else "transformers")
 
 
 def test_an_unknown_decoder_is_refused(tiny_target_dir):

@@ -67,6 +67,8 @@ def test_the_owned_forward_is_bitwise_the_transformers_path(kind, dtype):
     owned = HFVerifier(model, (0, 2), decoder="owned")
     reference = HFVerifier(model, (0, 2), decoder="transformers")
     assert owned.owned is not None and reference.owned is None
+    assert (owned.info().decoder, reference.info().decoder) == ("owned", "transformers")
+    assert owned.info().weights == "dense" and owned.info().attention_kernel in ("sdpa", "eager")
     (h1, f1), (h2, f2) = packed_call(owned), packed_call(reference)
     assert torch.equal(h1, h2) and torch.equal(f1, f2)
     for layer in range(model.config.num_hidden_layers):  # and the KV both wrote

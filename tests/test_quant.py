@@ -135,6 +135,7 @@ def test_smollm2_gguf_int4_every_method_is_bitwise_its_ar(smollm2_dir):
     built = build_embedded(weights="gguf-int4", device=torch.device("cpu"))
     assert built.verifier.row_invariant
     assert isinstance(built.verifier.head, Q8Head) and built.verifier.walk_rows == 4  # the GGUF's Q8_0 head
+    assert built.verifier.info().weights == "gguf-int4"
     prompt = built.tokenizer.encode("Write a Python function that adds two numbers.")
     ar = generate(built.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=32)).token_ids
     for method in ("linear", "presto-best-first", "taps"):

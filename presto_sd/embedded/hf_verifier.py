@@ -110,7 +110,8 @@ class HFVerifier(Verifier):
         adapter: SelfDraftAdapter | None = None,  # self-speculative mask rows (needs the owned decoder)
         head: Linear | None = None,  # a row-invariant lm_head kernel (fp32 logits): the GGUF's Q8_0
         walk_rows: int = WALK_ROWS,  # a tree's nodes whose logits come in one head matmul
-        compile: bool = False,  # the owned decoder's decode-row forwards through torch.compile
+        compile: bool = False,  # the owned decoder's AR steps through torch.compile (models/compiled.py)
+        weights: str = "dense",  # what ``linears`` / ``head`` are, for info(): "dense" or "gguf-int4"
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
@@ -148,6 +149,7 @@ class HFVerifier(Verifier):
         self.attention_kernel = pick_attention_kernel(*attention_shape(model.config), model.dtype,
                                                       self.head_weight.device.type)
         self.adapter = adapter
+        self.weights = weights
         n_layers = model.config.num_hidden_layers
         if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
             raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
@@ -195,6 +197,9 @@ class HFVerifier(Verifier):
             memory=self.sessions.memory(),
             row_invariant=self.row_invariant,
             self_draft_block=self.adapter.config.block if self.adapter is not None else 0,
+            decoder="owned" if self.owned is not None else "transformers",
+            weights=self.weights,
+            attention_kernel=self.attention_kernel,
         )
 
     def warm_compiled(self) -> None:

@@ -127,7 +127,7 @@ def verifier_engine(
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,
                       eos_token_ids=eos_token_ids(model, tok), name=target or DEFAULT_TARGET_NAME,
                       prefill_chunk=prefill_chunk, decoder=decoder, linears=linears, adapter=adapter,
-                      head=head, walk_rows=walk_rows, compile=compile)
+                      head=head, walk_rows=walk_rows, compile=compile, weights=weights)
 
 
 def weights_dtype(weights: str, dtype: torch.dtype | None) -> torch.dtype | None:

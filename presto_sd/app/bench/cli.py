@@ -173,8 +173,9 @@ def run(args: argparse.Namespace) -> int:
         "drafter": stack.drafter.info().name or "random",
         "self_draft": self_dir,
         "machine": machine_info(info.device, info.dtype),
-        "decoder": "owned" if stack.verifier.owned is not None else "transformers",
-        "weights": args.weights,
+        "decoder": info.decoder,
+        "weights": info.weights,
+        "attention_kernel": info.attention_kernel,
     }
     out = Path(args.out)
     if args.replay:
