@@ -100,6 +100,8 @@ def test_the_load_compiles_lone_and_batched_ar_steps():
     v = HFVerifier(tiny_llama(), (0, 2), name="tiny", compile=True)
     shapes = v.owned.compiled.agreed
     assert all(shapes.values()) and not v.sessions  # its scratch sessions closed
-    # one session's step with its keys inside its slot and filling it; two sessions' steps
-    assert sorted((writes, tuple(full for *_, full in groups)) for _, writes, groups in shapes) == [
-        ((1,), (False,)), ((1,), (True,)), ((2,), (False,))]
+    # one session's step with its keys inside its slot and filling it, on a page of one slot
+    # and of several; two sessions' steps
+    assert sorted((writes, groups[0][2:]) for _, writes, groups in shapes) == [
+        ((1,), (False, False)), ((1,), (False, True)), ((1,), (True, False)), ((1,), (True, True)),
+        ((2,), (False, False))]

@@ -204,20 +204,27 @@ class HFVerifier(Verifier):
 
     def warm_compiled(self) -> None:
         """Compile the AR-step graphs now (``compile``) on scratch sessions, so that no
-        generation waits on the compiler: a lone step whose keys lie inside its KV slot, one
-        whose keys fill it (a view the size of the slot is another graph), and two sessions'
-        steps in one forward. (Inductor caches them on disk: later loads are quicker.)"""
-        sizes = {"a": KEY_BLOCK // 2, "b": KEY_BLOCK // 2, "full": self.kv_store.min_capacity - 2}
+        generation waits on the compiler. A graph is specialized where a size is 1 and where
+        a key width fills its KV slot (the view is the whole slot), so each of: a lone step
+        on a page of one slot, with its keys inside the slot and filling it; the same on a
+        page of several slots; two sessions' steps in one forward. (Inductor caches them on
+        disk: later loads are quicker.)"""
+        sizes = {"a": KEY_BLOCK // 2, "full": self.kv_store.min_capacity - 2, "b": KEY_BLOCK // 2}
         ids = {name: f"presto-sd:warm-compile:{name}" for name in sizes}
+
+        def prefill(name: str) -> None:
+            self.prefill(ids[name], [0] * sizes[name])
+
+        def step(*names: str) -> None:
+            calls = [VerifyCall(ids[n], self.sessions[ids[n]].base,
+                                TokenTree.root_only(self.sessions[ids[n]].tokens[-1])) for n in names]
+            self.verify_batch(calls)
+
         try:
-            for name, n in sizes.items():
-                self.prefill(ids[name], [0] * n)
-            for name in ("a", "full"):
-                s = self.sessions[ids[name]]
-                self.verify(ids[name], s.base, TokenTree.root_only(s.tokens[-1]))
-            steps = [self.sessions[ids[name]] for name in ("a", "b")]
-            self.verify_batch([VerifyCall(ids[name], s.base, TokenTree.root_only(s.tokens[-1]))
-                               for name, s in zip(("a", "b"), steps)])
+            prefill("a"), step("a"), self.close(ids["a"])  # a page of one slot
+            prefill("full"), step("full")
+            prefill("a"), step("a"), step("full")  # two slots
+            prefill("b"), step("a", "b")
         finally:
             for sid in ids.values():
                 if sid in self.sessions:

@@ -2,8 +2,8 @@
 
 An experiment, reached through ``HFVerifier(compile=True)`` / ``verifier_engine(compile=True)``
 and ``scripts/compile_cost.py``, not a CLI flag: in-process it takes ~12 % off an int4 AR step
-on a 2-vCPU EPYC, but in ``bench`` it lost (recompiles as KV pages change shape, below);
-docs/benchmarks.md ("torch.compile") has the figures.
+on a 2-vCPU EPYC, but in ``bench`` it is level with eager (within run-to-run noise) and the
+load pays 30-150 s of compiling; docs/benchmarks.md ("torch.compile") has the figures.
 
 Why the whole forward: a SmolLM2 AR step dispatches ~2,000 torch ops, ~1.5-3 µs each; in the
 int4 mode that is as much time as the matmuls. Compiling pieces of a layer does not pay (a
@@ -11,8 +11,8 @@ compiled graph's call costs ~20-40 µs of guards and wrappers, what a layer's po
 cost eager); ``LlamaDecoder.layers_forward`` as one graph does. ``CompiledForward`` compiles
 it for AR steps at one key width (one row group); trees and mixed widths run eager: each
 count of row groups, a row group of one row, a width that fills its page and a page of one
-slot are graphs of their own, and a context that crosses them recompiles (~30 s cold on 2
-cores, a few seconds from inductor's disk cache).
+slot are graphs of their own (~30 s cold on 2 cores, a few seconds from inductor's disk
+cache); ``HFVerifier.warm_compiled`` compiles every AR one at load.
 
 Nothing of the engine's arithmetic changes, by construction, and each graph proves it: the
 linears, the rows' mean square (RMSNorm's statistic: inductor sums in its own order) and the
@@ -45,8 +45,10 @@ Forward = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]  # (h, cos, sin
 def _shape(h: torch.Tensor, plan) -> tuple:
     """What a compiled graph's code depends on beyond the key widths (symbolic)."""
     return (h.shape[0], tuple(len(w.rows) for w in plan.writes),
-            # (a width that fills its page is a view the size of the page: another graph)
-            tuple((g.positions is None, len(g.rows), g.width == g.page.capacity) for g in plan.groups))
+            # (a width that fills its page is a view the size of the page, a page of one slot
+            # a size of 1: other graphs)
+            tuple((g.positions is None, len(g.rows), g.width == g.page.capacity, g.page.slots == 1)
+                  for g in plan.groups))
 
 
 def _mark_dynamic(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan) -> None:

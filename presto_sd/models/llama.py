@@ -123,7 +123,7 @@ class LlamaDecoder:
     ``adapter``: the self-speculative adapter, applied to the rows a forward names as mask
     rows only (``self_draft.py``); every other row is computed as without it.
     ``compile``: the forwards of AR steps through torch.compile, where bitwise this eager
-    forward (``compiled.py``: an engine option, slower end to end for now)."""
+    forward (``compiled.py``: an engine option, level with eager end to end for now)."""
 
     def __init__(self, model: PreTrainedModel, linears: Mapping[str, Linear] | None = None,
                  adapter: SelfDraftAdapter | None = None, compile: bool = False) -> None:
