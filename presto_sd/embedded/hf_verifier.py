@@ -209,7 +209,8 @@ class HFVerifier(Verifier):
         on a page of one slot, with its keys inside the slot and filling it; the same on a
         page of several slots; two sessions' steps in one forward. (Inductor caches them on
         disk: later loads are quicker.)"""
-        sizes = {"a": KEY_BLOCK // 2, "full": self.kv_store.min_capacity - 2, "b": KEY_BLOCK // 2}
+        full = min(self.kv_store.min_capacity, self.limits.max_context) - 2  # a step fills the slot
+        sizes = {"a": KEY_BLOCK // 2, "full": full, "b": KEY_BLOCK // 2}
         ids = {name: f"presto-sd:warm-compile:{name}" for name in sizes}
 
         def prefill(name: str) -> None:

@@ -70,7 +70,7 @@ def _mark_dynamic(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan) -
 
 
 class CompiledForward:
-    """``forward`` compiled, for plans of decode rows, each plan shape checked once against
+    """``forward`` compiled, for plans of AR steps, each plan shape checked once against
     ``forward`` itself (bitwise) before its graph is trusted."""
 
     def __init__(self, forward: Forward, max_rows: int = COMPILE_MAX_ROWS) -> None:
