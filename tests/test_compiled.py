@@ -43,13 +43,20 @@ def _ar_call(v: HFVerifier, session: str):
     return v.owned.forward(ids, positions, plan, v.target_layer_ids)
 
 
-def test_a_compiled_graph_that_differs_is_dropped_for_eager(caplog):
+def _compiled_and_eager() -> tuple[HFVerifier, HFVerifier, CompiledForward]:
+    """A compiled verifier and an eager one on the same tiny model, each with session "s"
+    open; the compiled one's graph with no shape checked yet (the load's warm-up checked them)."""
     model = tiny_llama()
     v = HFVerifier(model, (0, 2), name="tiny", compile=True)
     eager = HFVerifier(model, (0, 2), name="tiny")
     v.prefill("s", [0, 3, 5]), eager.prefill("s", [0, 3, 5])
     graph = v.owned.compiled
-    graph.agreed.clear()  # (the load's warm-up checked the shapes)
+    graph.agreed.clear()
+    return v, eager, graph
+
+
+def test_a_compiled_graph_that_differs_is_dropped_for_eager(caplog):
+    v, eager, graph = _compiled_and_eager()
     graph.graph = lambda *args: (lambda out, kept: (out + 1, kept))(*graph.forward(*args))  # a wrong graph
     with caplog.at_level(logging.WARNING):
         out, _ = _ar_call(v, "s")
@@ -62,12 +69,7 @@ def test_a_compiled_graph_that_differs_is_dropped_for_eager(caplog):
 
 
 def test_a_compile_that_fails_leaves_the_decoder_eager(caplog):
-    model = tiny_llama()
-    v = HFVerifier(model, (0, 2), name="tiny", compile=True)
-    eager = HFVerifier(model, (0, 2), name="tiny")
-    v.prefill("s", [0, 3, 5]), eager.prefill("s", [0, 3, 5])
-    graph = v.owned.compiled
-    graph.agreed.clear()
+    v, eager, graph = _compiled_and_eager()
 
     def fail(*args):
         raise RuntimeError("no C++ compiler")
