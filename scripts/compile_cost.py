@@ -38,12 +38,12 @@ def main() -> None:
                              dtype=weights_dtype(args.weights, parse_dtype(args.dtype)))
     start = time.perf_counter()
     v = verifier_engine(model, tok, None, drafter_assets(None, None), weights=args.weights, compile=True)
-    graph = v.owned.compiled
+    graph = v.runner.owned.compiled
     load_s = time.perf_counter() - start
     print(f"dtype={model.dtype} weights={args.weights}: load with compile {load_s:.1f} s")
 
     def block(compiled: bool, name: str) -> tuple[list[int], float]:
-        v.owned.compiled = graph if compiled else None
+        v.runner.owned.compiled = graph if compiled else None
         pre = v.prefill(name, [1 + i % 40000 for i in range(200)])
         base, anchor, tokens, times = pre.base, pre.anchor, [], []
         for _ in range(args.steps):

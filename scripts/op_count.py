@@ -56,7 +56,7 @@ def main() -> None:
     pre = verifier.prefill("ops", [1 + i % 40000 for i in range(200)])
     base, anchor = pre.base, pre.anchor
     print(f"dtype={model.dtype} weights={args.weights} decoder="
-          f"{'owned' if verifier.owned is not None else 'transformers'}")
+          f"{'owned' if verifier.runner.owned is not None else 'transformers'}")
     for n in (int(x) for x in args.nodes.split(",")):
         for chains in variants:
             for counting in (False, True):  # a warm-up step first: lazy inits are not a step's work

@@ -22,8 +22,8 @@ def test_compiled_decode_is_bitwise_eager_and_every_method_greedy_ar(dtype):
     model = tiny_llama().to(dtype)
     verifier, drafter = make_engines(model)
     compiled = HFVerifier(model, verifier.target_layer_ids, name="tiny-llama", compile=True)
-    graph = compiled.owned.compiled
-    assert graph is not None and verifier.owned.compiled is None
+    graph = compiled.runner.owned.compiled
+    assert graph is not None and verifier.runner.owned.compiled is None
     for method in ("ar", "presto-best-first"):
         params = GenerationParams(method=method, tree=TreeParams(budget=6, depth=4), max_new_tokens=24)
         prompt = [0, 3, 5, 7]
@@ -38,9 +38,9 @@ def test_compiled_decode_is_bitwise_eager_and_every_method_greedy_ar(dtype):
 
 def _ar_call(v: HFVerifier, session: str):
     kv = v.sessions[session].kv
-    plan = packed_plan([Segment(kv, 0, 1)], v.device, v.attention_kernel)
+    plan = packed_plan([Segment(kv, 0, 1)], v.device, v.runner.attention_kernel)
     ids, positions = torch.tensor([4]), torch.tensor([kv.length])
-    return v.owned.forward(ids, positions, plan, v.target_layer_ids)
+    return v.runner.owned.forward(ids, positions, plan, v.target_layer_ids)
 
 
 def _compiled_and_eager() -> tuple[HFVerifier, HFVerifier, CompiledForward]:
@@ -50,7 +50,7 @@ def _compiled_and_eager() -> tuple[HFVerifier, HFVerifier, CompiledForward]:
     v = HFVerifier(model, (0, 2), name="tiny", compile=True)
     eager = HFVerifier(model, (0, 2), name="tiny")
     v.prefill("s", [0, 3, 5]), eager.prefill("s", [0, 3, 5])
-    graph = v.owned.compiled
+    graph = v.runner.owned.compiled
     graph.agreed.clear()
     return v, eager, graph
 
@@ -85,7 +85,7 @@ def test_a_compile_that_fails_leaves_the_decoder_eager(caplog):
 def test_prompt_chunks_run_eager():
     model = tiny_llama()
     v = HFVerifier(model, (0, 2), name="tiny", compile=True)
-    graph = v.owned.compiled
+    graph = v.runner.owned.compiled
     graph.agreed.clear()
     graph.graph = None  # any compiled call would fail loudly
     v.prefill("s", [0, 3, 5, 7, 2, 9])  # a prompt chunk: eager
@@ -100,7 +100,7 @@ def test_compile_needs_the_owned_decoder():
 
 def test_the_load_compiles_lone_and_batched_ar_steps():
     v = HFVerifier(tiny_llama(), (0, 2), name="tiny", compile=True)
-    shapes = v.owned.compiled.agreed
+    shapes = v.runner.owned.compiled.agreed
     assert all(shapes.values()) and not v.sessions  # its scratch sessions closed
     # one session's step with its keys inside its slot and filling it, on a page of one slot
     # and of several; two sessions' steps

@@ -189,14 +189,14 @@ PROMPT = [0, 3, 5, 7, 2, 9, 4, 1, 6]
 def recording(v: HFVerifier) -> list[torch.Tensor]:
     """Every forward's final hidden states [N, H], in order (the lm_head's input)."""
     seen: list[torch.Tensor] = []
-    forward = v._forward
+    forward = v.runner.forward
 
     def record(*args, **kwargs):
         hidden, feats = forward(*args, **kwargs)
         seen.append(hidden.clone())
         return hidden, feats
 
-    v._forward = record
+    v.runner.forward = record
     return seen
 
 
@@ -210,7 +210,7 @@ def ar_steps(v: HFVerifier, prompt: list[int], n: int) -> tuple[list[int], list[
         tokens.append(anchor)
         anchor, base = res.bonus, res.base
     v.close("ar")
-    del v._forward
+    del v.runner.forward
     return tokens, [h[0] for h in seen[1:]]
 
 
@@ -220,7 +220,7 @@ def test_a_branching_trees_rows_are_bitwise_the_ar_steps(tiny_target, dtype):
     every node on it computes exactly the AR step's hidden row, and the KV that stays is
     bitwise AR's (the next round's rows would differ otherwise)."""
     v = HFVerifier(in_dtype(tiny_target, dtype), (0, 2))
-    assert v.row_invariant
+    assert v.runner.row_invariant
     a, ar_rows = ar_steps(v, PROMPT, 8)
     decoy = [(t + 1) % 16 for t in a]
     # root; a decoy and the true child; under it a decoy, the true grandchild; ...
@@ -296,7 +296,7 @@ def test_smollm2_every_method_is_bitwise_the_engines_ar(dtype):
     from presto_sd.method.builders import TreeParams
 
     stack = build_embedded(device=torch.device("cpu"), dtype=dtype)
-    assert stack.verifier.row_invariant
+    assert stack.verifier.runner.row_invariant
     methods = [("linear", 16), ("marginal", 8), ("presto-beam", 8), ("presto-best-first", 16), ("taps", 16)]
     for text in ["Natalia sold 48 clips in April and half as many in May. How many in all?",
                  "Write a Python function that checks whether a number is prime."]:
@@ -324,7 +324,7 @@ def test_smollm2_a_branching_trees_rows_are_bitwise_the_ar_steps(dtype):
 
     model, tok = load_target(None, device=torch.device("cpu"), dtype=dtype)
     v = verifier_engine(model, tok, None, drafter_assets(None, None))
-    assert v.row_invariant and v.info().row_invariant
+    assert v.runner.row_invariant and v.info().row_invariant
     prompt = encode_prompt(tok, "List three facts about the Moon.", chat=True)
     a, ar_rows = ar_steps(v, prompt, 6)
     decoy = [(t + 1) % v.vocab_size for t in a]

@@ -17,7 +17,7 @@ from presto_sd.embedded.stack import build_embedded
 @pytest.mark.parametrize("decoder, owned", [("owned", True), ("transformers", False), ("auto", True)])
 def test_build_embedded_takes_the_decoder(tiny_target_dir, decoder, owned):
     stack = build_embedded(str(tiny_target_dir), "random", dtype=torch.float32, decoder=decoder)
-    assert (stack.verifier.owned is not None) is owned
+    assert (stack.verifier.runner.owned is not None) is owned
     assert stack.verifier.info().decoder == ("owned" if owned else "transformers")
 
 
@@ -29,7 +29,7 @@ def test_an_unknown_decoder_is_refused(tiny_target_dir):
 def test_local_replicas_load_the_dtype_and_decoder_given(tiny_target_dir):
     verifier = local_spec("verifier", 0, str(tiny_target_dir), "random", dtype="float32",
                           decoder="transformers").factory()
-    assert verifier.model.dtype == torch.float32 and verifier.owned is None
+    assert verifier.model.dtype == torch.float32 and verifier.runner.owned is None
     drafter = local_spec("drafter", 0, str(tiny_target_dir), "random", dtype="float32").factory()
     assert drafter.lm_head.dtype == torch.float32
 

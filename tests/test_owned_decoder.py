@@ -57,7 +57,7 @@ def packed_call(v: HFVerifier) -> tuple[torch.Tensor, torch.Tensor]:
     segments = [Segment(tree_kv, 0, n, tree.paths()), Segment(chunk_kv, n, 3)]
     positions = [*tree.position_ids(len(PROMPT)), *range(chunk_kv.length, chunk_kv.length + 3)]
     with torch.inference_mode():
-        return v._forward(segments, [*tree.tokens, 5, 6, 7], positions)
+        return v.runner.forward(segments, [*tree.tokens, 5, 6, 7], positions)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -66,7 +66,7 @@ def test_the_owned_forward_is_bitwise_the_transformers_path(kind, dtype):
     model = tiny(kind).to(dtype)
     owned = HFVerifier(model, (0, 2), decoder="owned")
     reference = HFVerifier(model, (0, 2), decoder="transformers")
-    assert owned.owned is not None and reference.owned is None
+    assert owned.runner.owned is not None and reference.runner.owned is None
     assert (owned.info().decoder, reference.info().decoder) == ("owned", "transformers")
     assert owned.info().weights == "dense" and owned.info().attention_kernel in ("sdpa", "eager")
     (h1, f1), (h2, f2) = packed_call(owned), packed_call(reference)
@@ -87,7 +87,8 @@ def test_the_owned_forward_equals_transformers_own_forward(kind):
     tree = TokenTree.from_lists([pre.anchor, *TREE[0]], TREE[1])
     seg = Segment(v.sessions["s"].kv, 0, len(tree.tokens), tree.paths())
     with torch.inference_mode():
-        logits = v.logits(v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))[0])
+        hidden, _ = v.runner.forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
+        logits = v.runner.logits(hidden)
         for node in range(len(tree.tokens)):
             ref = model(torch.tensor([PROMPT + tree.path_tokens(node)])).logits[0, -1]
             torch.testing.assert_close(logits[node], ref, atol=1e-4, rtol=0)  # same math, other shapes
@@ -99,7 +100,7 @@ def test_every_method_is_greedy_ar_on_the_other_families(kind, method):
     """(Llama: tests/test_lossless.py runs the owned decoder, the default for it.)"""
     model = tiny(kind)
     verifier, drafter = make_engines(model)
-    assert verifier.owned is not None
+    assert verifier.runner.owned is not None
     params = GenerationParams(method=method, tree=TreeParams(budget=16, depth=6),
                               max_new_tokens=20)
     for prompt in ([0, 3, 5, 7], [0, 9]):

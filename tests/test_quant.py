@@ -87,7 +87,7 @@ def test_every_method_is_bitwise_the_int4_modes_own_ar(dtype):
     draft_model = tiny_drafter_model(model).to(dtype)
     linears = int4_linears(blocks, model, dtype)
     verifier = HFVerifier(model, draft_model.config.target_layer_ids, linears=linears)
-    assert verifier.row_invariant and verifier.owned is not None
+    assert verifier.runner.row_invariant and verifier.runner.owned is not None
     drafter = DFlashDrafter(draft_model, model.get_input_embeddings().weight.detach(),
                             model.get_output_embeddings().weight.detach())
     prompt = [1, 5, 9, 13]
@@ -133,8 +133,9 @@ def test_smollm2_gguf_int4_every_method_is_bitwise_its_ar(smollm2_dir):
     from presto_sd.embedded.stack import build_embedded
 
     built = build_embedded(weights="gguf-int4", device=torch.device("cpu"))
-    assert built.verifier.row_invariant
-    assert isinstance(built.verifier.head, Q8Head) and built.verifier.walk_rows == 4  # the GGUF's Q8_0 head
+    assert built.verifier.runner.row_invariant
+    # the GGUF's Q8_0 head
+    assert isinstance(built.verifier.runner.head, Q8Head) and built.verifier.walk_rows == 4
     assert built.verifier.info().weights == "gguf-int4"
     prompt = built.tokenizer.encode("Write a Python function that adds two numbers.")
     ar = generate(built.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=32)).token_ids
@@ -198,7 +199,7 @@ def test_every_method_is_bitwise_the_int4_modes_own_ar_with_the_q8_head(tmp_path
     draft_model = tiny_drafter_model(model).to(dtype)
     linears = int4_linears(blocks, model, dtype)
     verifier = HFVerifier(model, draft_model.config.target_layer_ids, linears=linears, head=head, walk_rows=4)
-    assert verifier.row_invariant
+    assert verifier.runner.row_invariant
     drafter = DFlashDrafter(draft_model, model.get_input_embeddings().weight.detach(),
                             model.get_output_embeddings().weight.detach())
     prompt = [1, 5, 9, 13]

@@ -39,8 +39,8 @@ def test_tree_logits_equal_causal_path_logits(tiny_target):
     s = v.sessions["s"]
     seg = Segment(s.kv, 0, len(tree.tokens), tree.paths())
     with torch.inference_mode():  # the session's buffers are inference tensors
-        hidden, _ = v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
-        logits = v.logits(hidden)
+        hidden, _ = v.runner.forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
+        logits = v.runner.logits(hidden)
     for node in range(len(tree.tokens)):
         ref = full_logits(tiny_target, PROMPT + tree.path_tokens(node))[-1]
         torch.testing.assert_close(logits[node], ref, atol=LOGIT_ATOL, rtol=0)
@@ -55,8 +55,8 @@ def test_next_token_logits_are_a_rounds_logits_bitwise(tiny_target, dtype):
     tree = TokenTree.from_lists([pre.anchor, *TREE_TOKENS_REST], TREE_PARENTS)
     seg = Segment(v.sessions["s"].kv, 0, len(tree.tokens), tree.paths())
     with torch.inference_mode():
-        hidden, _ = v._forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
-        walked = v.logits(hidden)
+        hidden, _ = v.runner.forward([seg], list(tree.tokens), tree.position_ids(len(PROMPT)))
+        walked = v.runner.logits(hidden)
     paths = [tree.path_tokens(node) for node in range(len(tree.tokens))]
     assert torch.equal(v.next_token_logits(PROMPT, paths), walked)
     for node, path in enumerate(paths):

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from drafter_service.remote import RemoteDrafter
 from presto_sd.embedded import hf_verifier as hf
 from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.embedded.target_runner import TargetRunner
 from presto_sd.engine.drafter import DraftCall
 from presto_sd.engine.messages import (
     AlreadyExistsError,
@@ -327,7 +328,7 @@ def test_a_failure_rolls_every_session_back(tiny_target, monkeypatch, stage):
     batched, ref = open_twice(tiny_target, PROMPTS[:3], sampling)
     calls = [VerifyCall(sid, s.base, sampling_tree(s.tokens[-1])) for sid, s in batched.sessions.items()]
     before = {sid: (list(s.tokens), s.generator.get_state()) for sid, s in batched.sessions.items()}
-    owner, name = {"forward": (HFVerifier, "_forward"), "walk": (hf, "walk_tree"),
+    owner, name = {"forward": (TargetRunner, "forward"), "walk": (hf, "walk_tree"),
                    "commit": (SessionKV, "keep")}[stage]
     real, seen = getattr(owner, name), []
 
@@ -409,7 +410,7 @@ def test_a_failed_forward_opens_no_prompt_and_frees_its_seat(tiny_target, monkey
     pre = v.prefill("s0", PROMPTS[0])
     calls = [VerifyCall("s0", pre.base, TokenTree.root_only(pre.anchor)),
              PrefillCall("n0", tuple(PROMPTS[1]))]
-    monkeypatch.setattr(HFVerifier, "_forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(TargetRunner, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         v.verify_batch(calls)
     monkeypatch.undo()

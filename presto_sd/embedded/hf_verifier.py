@@ -1,16 +1,15 @@
 """``HFVerifier``: the target as any transformers causal LM, verifying trees in one forward.
 
-Every forward is one packed sequence of new tokens (a prompt, one tree, or many
-sessions' trees and AR tokens together) whose attention runs per session over that
-session's own KV buffers, in place (``session_kv``). A tree node sees the committed prefix
-and its own ancestors, at position ``base + depth``. After the walk the session keeps
-exactly the accepted path, which equals the KV that AR decoding of the same tokens
-produces (tests hold this).
+The verifier owns the sessions (their tokens, generators and KV slots, admitted against a
+byte budget), checks every call, and walks each tree after the forward; the forward itself
+(decoder, kernels, lm_head) is ``TargetRunner``'s (``target_runner.py``). A tree node sees
+the committed prefix and its own ancestors, at position ``base + depth``. After the walk the
+session keeps exactly the accepted path, which equals the KV that AR decoding of the same
+tokens produces (tests hold this).
 
-A long prompt is prefilled in chunks of ``prefill_chunk`` tokens, each a forward after
-the positions the earlier ones committed (as AR decoding builds them); ``prefill_steps``
-yields between chunks, so a server runs other sessions' calls in between. KV bytes are
-admitted against the session table's budget before a forward allocates them.
+A long prompt is prefilled in chunks of ``prefill_chunk`` tokens; ``prefill_steps`` yields
+between chunks, so a server runs other sessions' calls in between. KV bytes are admitted
+against the session table's budget before a forward allocates them.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from transformers import PreTrainedModel
 
 from presto_sd.embedded.cost_calibration import calibrate_verify_cost
 from presto_sd.embedded.memory import target_kv_bytes_per_token
+from presto_sd.embedded.target_runner import TargetRunner
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
@@ -31,7 +31,7 @@ from presto_sd.engine.messages import (
     LimitExceededError,
     answer_of,
     check_base,
-    session_tag,
+    check_once_per_batch,
 )
 from presto_sd.engine.sessions import Seat, SessionTable
 from presto_sd.engine.verifier import (
@@ -57,18 +57,9 @@ from presto_sd.method.acceptance import (
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.scores import DraftMarginals
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
-from presto_sd.models import llama
-from presto_sd.models.invariant import (
-    KEY_BLOCK,
-    MAX_INVARIANT_ROWS,
-    attention_shape,
-    install_invariant_linears,
-    invariant_linear,
-    pick_attention_kernel,
-    pick_linear_kernel,
-)
+from presto_sd.models.invariant import KEY_BLOCK, MAX_INVARIANT_ROWS
 from presto_sd.models.llama import Linear
-from presto_sd.models.packed import Segment, packed_forward, packed_plan
+from presto_sd.models.packed import Segment
 from presto_sd.models.self_draft import SelfDraftAdapter
 from presto_sd.models.session_kv import KVStore, SessionKV
 
@@ -115,45 +106,12 @@ class HFVerifier(Verifier):
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1")
-        if decoder not in ("auto", "owned", "transformers"):
-            raise ValueError(f"decoder {decoder!r}: one of auto, owned, transformers")
-        self.model = model.eval()
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
-        # row-invariant kernels inside packed_forward only: a tree's rows are bitwise AR's steps
-        w = self.head_weight = self.lm_head.weight
-        self.head, self.walk_rows = head, walk_rows
-        if head is not None:  # probed row-invariant by its maker (quant.gguf_q8_0_head)
-            self.head_kernel: str | None = "given"
-        else:
-            self.head_kernel = pick_linear_kernel(w.shape[1], w.shape[0], w.dtype, w.device.type)
-        if self.head_kernel is None and w.dtype != torch.float32:
-            # no invariant kernel in the model's dtype (bf16 on Intel AMX): the head in fp32, on a
-            # copy of its weight, where oneDNN's rows agree; the logits are fp32 either way
-            fp32 = pick_linear_kernel(w.shape[1], w.shape[0], torch.float32, w.device.type)
-            if fp32 is not None:
-                self.head_weight, self.head_kernel = w.detach().float(), fp32
-        linears_ok = install_invariant_linears(self.decoder)
-        owned = decoder == "owned" or (decoder == "auto" and llama.supports(model))
-        if linears and not owned:
-            raise ValueError(f"linears replace the owned decoder's: decoder {decoder!r} does not run it here")
-        if adapter is not None and not owned:
-            raise ValueError(f"a self-draft adapter runs in the owned decoder: decoder {decoder!r} does not")
-        if compile and not owned:
-            raise ValueError(f"compile runs the owned decoder: decoder {decoder!r} does not run it here")
-        # given linears are probed row-invariant by their maker (quant.int4_linears)
-        self.row_invariant = (bool(linears) or linears_ok) and self.head_kernel is not None
-        # None: transformers' forward
-        self.owned = llama.LlamaDecoder(model, linears, adapter, compile) if owned else None
-        # the decode rows' attention: torch's fused kernel where its rows agree (bf16 here)
-        self.attention_kernel = pick_attention_kernel(*attention_shape(model.config), model.dtype,
-                                                      self.head_weight.device.type)
+        self.runner = TargetRunner(model, target_layer_ids, decoder, linears, adapter, head, compile)
+        self.model = self.runner.model
+        self.target_layer_ids = self.runner.target_layer_ids
         self.adapter = adapter
+        self.walk_rows = walk_rows
         self.weights = weights
-        n_layers = model.config.num_hidden_layers
-        if not target_layer_ids or not all(0 <= i < n_layers for i in target_layer_ids):
-            raise ValueError(f"target_layer_ids {target_layer_ids} out of range [0, {n_layers})")
-        self.target_layer_ids = tuple(int(i) for i in target_layer_ids)
         self.vocab_size = model.config.vocab_size
         self.limits = VerifierLimits(
             max_sessions=limits.max_sessions,
@@ -195,11 +153,11 @@ class HFVerifier(Verifier):
             limits=self.limits,
             cost=self.forward_costs.fit,
             memory=self.sessions.memory(),
-            row_invariant=self.row_invariant,
+            row_invariant=self.runner.row_invariant,
             self_draft_block=self.adapter.config.block if self.adapter is not None else 0,
-            decoder="owned" if self.owned is not None else "transformers",
+            decoder="owned" if self.runner.owned is not None else "transformers",
             weights=self.weights,
-            attention_kernel=self.attention_kernel,
+            attention_kernel=self.runner.attention_kernel,
         )
 
     def warm_compiled(self) -> None:
@@ -244,42 +202,6 @@ class HFVerifier(Verifier):
     def close_idle(self, ttl_s: float) -> list[str]:
         return self.sessions.close_idle(ttl_s)
 
-    # -- the forward --------------------------------------------------------------------
-    def _forward(
-        self, segments: list[Segment], input_ids: list[int], positions: list[int] | torch.Tensor,
-        mask_rows: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One packed forward of every segment's new tokens: final hidden states [N, H] and
-        target-layer features [N, F]. Each session's KV buffers receive its new entries
-        after its committed length (``SessionKV.keep`` commits them). ``mask_rows``: the
-        self-draft rows (``MaskChains``), computed by the adapter (owned decoder only)."""
-        positions = torch.as_tensor(positions, dtype=torch.long)
-        if self.owned is not None:
-            plan = packed_plan(segments, self.device, self.attention_kernel)
-            ids = torch.tensor(input_ids, device=self.device)
-            masks = torch.tensor(mask_rows, dtype=torch.long, device=self.device) if mask_rows else None
-            last, kept = self.owned.forward(ids, positions.to(self.device), plan, self.target_layer_ids,
-                                            mask_rows=masks)
-            return last, torch.cat(kept, dim=-1)
-        with packed_forward(self.model, segments, self.attention_kernel):
-            out = self.decoder(
-                input_ids=torch.tensor([input_ids], device=self.device),
-                position_ids=positions[None].to(self.device),
-                use_cache=False,
-                output_hidden_states=True,
-            )
-        feats = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
-        return out.last_hidden_state[0], feats[0]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The lm_head over hidden states ``[..., H]`` -> fp32 logits, through the row-invariant
-        kernel every walk uses (the replay reads them as a round would)."""
-        if self.head is not None:
-            return self.head(hidden)
-        w, bias = self.head_weight, self.lm_head.bias
-        bias = None if bias is None else bias.to(w.dtype)
-        return invariant_linear(hidden.to(w.dtype), w, bias, self.head_kernel or "aten").float()
-
     @torch.inference_mode()
     def next_token_logits(self, prompt: Sequence[int],
                           continuations: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -291,7 +213,7 @@ class HFVerifier(Verifier):
         if not prompt:
             raise ValueError("next_token_logits: an empty prompt (the law starts after a prefill)")
         kv = self.kv_store.session()
-        for hidden, _ in self._prefill_chunks(kv, list(prompt)):
+        for hidden, _ in self.runner.prefill_chunks(kv, prompt, self.prefill_chunk):
             last = hidden[-1]
         out = torch.empty(len(continuations), self.vocab_size, dtype=torch.float32, device=self.device)
         by_first: dict[int, list[int]] = {}
@@ -299,7 +221,7 @@ class HFVerifier(Verifier):
             if c:
                 by_first.setdefault(c[0], []).append(i)
             else:
-                out[i] = self.logits(last)
+                out[i] = self.runner.logits(last)
         for group in by_first.values():  # one tree per first token, written over the same free KV
             node_of: dict[tuple[int, ...], int] = {}
             tokens, parents = [], []
@@ -311,20 +233,10 @@ class HFVerifier(Verifier):
                         tokens.append(c[d - 1])
                         parents.append(node_of[c[: d - 1]] if d > 1 else -1)
             tree = TokenTree.from_lists(tokens, parents)
-            rows, _ = self._forward([Segment(kv, 0, len(tokens), tree.paths())], tokens,
+            rows, _ = self.runner.forward([Segment(kv, 0, len(tokens), tree.paths())], tokens,
                                     tree.position_ids(len(prompt)))
-            out[group] = self.logits(rows[[node_of[tuple(continuations[i])] for i in group]])
+            out[group] = self.runner.logits(rows[[node_of[tuple(continuations[i])] for i in group]])
         return out
-
-    def _prefill_chunks(self, kv: SessionKV,
-                        token_ids: list[int]) -> Generator[tuple[torch.Tensor, torch.Tensor]]:
-        """The prompt's forward a chunk at a time, each chunk's KV committed: yields each
-        chunk's (final hidden states, features)."""
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            chunk = token_ids[start : start + self.prefill_chunk]
-            hidden, f = self._forward([Segment(kv, 0, len(chunk))], chunk, range(start, start + len(chunk)))
-            kv.keep(range(len(chunk)))
-            yield hidden, f
 
     def prefill(
         self,
@@ -360,13 +272,13 @@ class HFVerifier(Verifier):
         seat = self._seat(session_id, len(token_ids), restart)
         try:
             kv, feats = self.kv_store.session(), []
-            for hidden, f in self._prefill_chunks(kv, token_ids):
+            for hidden, f in self.runner.prefill_chunks(kv, token_ids, self.prefill_chunk):
                 last = hidden[-1]
                 feats.append(f)
                 if len(feats) * self.prefill_chunk < len(token_ids):
                     yield  # between chunks: the engine may run other sessions' calls
             call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
-            session, result = self._new_session(call, kv, self.logits(last),
+            session, result = self._new_session(call, kv, self.runner.logits(last),
                                                 torch.cat(feats) if len(feats) > 1 else feats[0])
             self.sessions.open(seat, session)
         finally:
@@ -460,12 +372,7 @@ class HFVerifier(Verifier):
         try:
             for j, c in enumerate(calls):
                 try:
-                    if c.session_id in seen:
-                        raise InvalidArgumentError(
-                            f"verify_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
-                            "this batch"
-                        )
-                    seen.add(c.session_id)
+                    check_once_per_batch(seen, c.session_id, f"verify_batch.calls[{j}]")
                     n = call_rows(c)
                     if rows and rows + n > MAX_INVARIANT_ROWS:
                         raise LimitExceededError(
@@ -567,7 +474,7 @@ class HFVerifier(Verifier):
             positions += range(len(c.token_ids))
         rngs = [s.generator.get_state() for s, _ in items]
         try:
-            hidden, feats = self._forward(segments, input_ids, positions, mask_rows)
+            hidden, feats = self.runner.forward(segments, input_ids, positions, mask_rows)
             # the walks' and the new prompts' logits in ONE lm_head matmul (a pass over the
             # head's weights costs about the same for 1 row as for 16): every node of a tree of
             # up to ``walk_rows`` nodes (its walk reads tau of them), the root of a larger one (its
@@ -576,7 +483,7 @@ class HFVerifier(Verifier):
             rows_of = [range(seg.start, seg.start + (n if (n := len(c.tree.tokens)) <= self.walk_rows else 1))
                        for (_, c), seg in zip(items, segments)]
             rows_of += [range(seg.start + seg.n - 1, seg.start + seg.n) for seg in segments[len(items):]]
-            heads = self.logits(hidden[[r for rows in rows_of for r in rows]])
+            heads = self.runner.logits(hidden[[r for rows in rows_of for r in rows]])
             first = [sum(len(rows) for rows in rows_of[:k]) for k in range(len(rows_of) + 1)]
             walked = []
             for k, ((s, c), seg, ch) in enumerate(zip(items, segments, chains)):
@@ -614,12 +521,12 @@ class HFVerifier(Verifier):
         """Sample-and-match over the tree's hidden states [N, H], with the session's generator;
         ``known``: the logits of its first nodes, computed with the forward's other rows."""
         if want_node_probs:  # traces need every node's parent distribution
-            logits = known if len(known) == len(tree.tokens) else self.logits(hidden)
+            logits = known if len(known) == len(tree.tokens) else self.runner.logits(hidden)
             walk = walk_tree(tree, logits, s.sampling, s.generator)
             return walk, node_token_probs(tree, logits, s.sampling).cpu()
 
         def node_logits(node: int) -> torch.Tensor:  # the rest only where the walk reaches them
-            return known[node] if node < len(known) else self.logits(hidden[node])
+            return known[node] if node < len(known) else self.runner.logits(hidden[node])
 
         return walk_tree(tree, node_logits, s.sampling, s.generator), None
 
@@ -639,7 +546,7 @@ class HFVerifier(Verifier):
         if chains is None or end not in chains.after:
             return None
         first = chains_start + chains.after.index(end) * chains.depth
-        logp = torch.log_softmax(self.logits(hidden[first : first + chains.depth]), dim=-1)
+        logp = torch.log_softmax(self.runner.logits(hidden[first : first + chains.depth]), dim=-1)
         return DraftMarginals.top_of(logp.cpu(), chains.top_k)
 
     def _commit(

@@ -28,7 +28,7 @@ from presto_sd.engine.messages import (
     InvalidArgumentError,
     answer_of,
     check_base,
-    session_tag,
+    check_once_per_batch,
 )
 from presto_sd.engine.sessions import SessionTable
 from presto_sd.engine.verifier import MaskChains
@@ -149,11 +149,7 @@ class SelfDrafter(CheckedDrafter):
         seen: set[str] = set()
         for j, c in enumerate(calls):
             try:
-                if c.session_id in seen:
-                    raise InvalidArgumentError(
-                        f"draft_batch.calls[{j}]: session {session_tag(c.session_id)} is already in "
-                        "this batch")
-                seen.add(c.session_id)
+                check_once_per_batch(seen, c.session_id, f"draft_batch.calls[{j}]")
                 s, rho, sizes_itself = self._check_draft(c)
                 if c.commit is not None:
                     self.commit(c.session_id, c.commit)

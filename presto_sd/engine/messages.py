@@ -116,6 +116,14 @@ def session_tag(session_id: str) -> str:
     return "#" + hashlib.sha256(session_id.encode()).hexdigest()[:12]
 
 
+def check_once_per_batch(seen: set[str], session_id: str, where: str) -> None:
+    """A batch carries each session once (its calls would race on one KV and generator):
+    INVALID_ARGUMENT for a later call naming a session ``seen`` already holds."""
+    if session_id in seen:
+        raise InvalidArgumentError(f"{where}: session {session_tag(session_id)} is already in this batch")
+    seen.add(session_id)
+
+
 def check_base(session_id: str, expected: int, got: int) -> None:
     if got != expected:
         raise StaleBaseError(

@@ -172,7 +172,7 @@ def self_draft_blocks(verifier, recording: Recording, first: int, n: int, depth:
     for start in range(first, last, chunk):
         hang = torch.arange(start, min(start + chunk, last), device=model.device)
         hidden = mask_chain_forward(model, adapter, kv, hang[None], depth)[0]
-        logp = torch.log_softmax(verifier.logits(hidden), dim=-1).view(len(hang), depth, -1).cpu()
+        logp = torch.log_softmax(verifier.runner.logits(hidden), dim=-1).view(len(hang), depth, -1).cpu()
         for i, q in enumerate(hang.tolist()):
             out[q] = DraftMarginals.top_of(logp[i], top_k)
     return out
