@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -27,10 +27,8 @@ from presto_sd.embedded.target_runner import TargetRunner
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
-    InvalidArgumentError,
     LimitExceededError,
     answer_of,
-    check_base,
     check_once_per_batch,
 )
 from presto_sd.engine.sessions import Seat, SessionTable
@@ -46,6 +44,9 @@ from presto_sd.engine.verifier import (
     VerifyCall,
     VerifyResult,
     call_rows,
+    check_prompt,
+    check_verify_call,
+    fit_chains,
 )
 from presto_sd.method.acceptance import (
     SamplingParams,
@@ -56,7 +57,7 @@ from presto_sd.method.acceptance import (
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel
 from presto_sd.method.scores import DraftMarginals
-from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError
+from presto_sd.method.tree import TokenTree
 from presto_sd.models.invariant import KEY_BLOCK, MAX_INVARIANT_ROWS
 from presto_sd.models.llama import Linear
 from presto_sd.models.packed import Segment
@@ -210,33 +211,8 @@ class HFVerifier(Verifier):
         last row from the prefill's forward, a continuation's from a tree over the prompt's
         KV (its rows are AR steps' rows: that is what makes every method lossless). No
         session, nothing kept, no admission: exact sampling laws (tests) and scoring."""
-        if not prompt:
-            raise ValueError("next_token_logits: an empty prompt (the law starts after a prefill)")
-        kv = self.kv_store.session()
-        for hidden, _ in self.runner.prefill_chunks(kv, prompt, self.prefill_chunk):
-            last = hidden[-1]
-        out = torch.empty(len(continuations), self.vocab_size, dtype=torch.float32, device=self.device)
-        by_first: dict[int, list[int]] = {}
-        for i, c in enumerate(continuations):
-            if c:
-                by_first.setdefault(c[0], []).append(i)
-            else:
-                out[i] = self.runner.logits(last)
-        for group in by_first.values():  # one tree per first token, written over the same free KV
-            node_of: dict[tuple[int, ...], int] = {}
-            tokens, parents = [], []
-            for i in group:
-                c = tuple(continuations[i])
-                for d in range(1, len(c) + 1):
-                    if c[:d] not in node_of:
-                        node_of[c[:d]] = len(tokens)
-                        tokens.append(c[d - 1])
-                        parents.append(node_of[c[: d - 1]] if d > 1 else -1)
-            tree = TokenTree.from_lists(tokens, parents)
-            rows, _ = self.runner.forward([Segment(kv, 0, len(tokens), tree.paths())], tokens,
-                                    tree.position_ids(len(prompt)))
-            out[group] = self.runner.logits(rows[[node_of[tuple(continuations[i])] for i in group]])
-        return out
+        return self.runner.next_token_logits(self.kv_store.session(), prompt, continuations,
+                                             self.prefill_chunk)
 
     def prefill(
         self,
@@ -268,7 +244,7 @@ class HFVerifier(Verifier):
         forward; the session opens only after the last chunk, so a generator closed early
         (a deadline, a cancelled call) leaves the table as it was.
         """
-        self._check_prompt(token_ids, anchor)
+        check_prompt(token_ids, anchor, self.vocab_size, self.limits.max_context)
         seat = self._seat(session_id, len(token_ids), restart)
         try:
             kv, feats = self.kv_store.session(), []
@@ -312,18 +288,6 @@ class HFVerifier(Verifier):
         self.sessions.admit(admitted + cost, f"a verify of {rows} rows")
         pending.append(need)
         return cost
-
-    def _check_prompt(self, token_ids: Sequence[int], anchor: int | None) -> None:
-        if not token_ids:
-            raise InvalidArgumentError("prefill.token_ids: empty prompt")
-        bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
-                    if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgumentError(f"prefill.token_ids: token {bad} out of range [0, {self.vocab_size})")
-        if len(token_ids) + 1 > self.limits.max_context:
-            raise LimitExceededError(
-                f"prefill: {len(token_ids)} tokens exceed max_context {self.limits.max_context}"
-            )
 
     def _new_session(self, call: PrefillCall, kv: SessionKV, last_logits: torch.Tensor,
                      feats: torch.Tensor) -> tuple[_Session, PrefillResult]:
@@ -380,7 +344,7 @@ class HFVerifier(Verifier):
                             f"{MAX_INVARIANT_ROWS} whose kernels were probed row-invariant: send it again"
                         )
                     if isinstance(c, PrefillCall):
-                        self._check_prompt(c.token_ids, c.anchor)
+                        check_prompt(c.token_ids, c.anchor, self.vocab_size, self.limits.max_context)
                         prompts.append((j, self._seat(c.session_id, len(c.token_ids), c.restart, pending)))
                     else:
                         s = self._check(c)
@@ -402,45 +366,10 @@ class HFVerifier(Verifier):
     # -- verification steps, shared by verify and verify_batch ----------------------------
     def _check(self, call: VerifyCall) -> _Session:
         """The session, if the call may run on it; the named error otherwise."""
-        session_id, base, tree = call.session_id, call.base, call.tree
-        s = self.sessions.touch(session_id)
-        check_base(session_id, s.base, base)
-        try:
-            tree.validate(self.limits.tree)
-        except TreeLimitError as e:
-            raise LimitExceededError(str(e)) from None
-        except TreeError as e:
-            raise InvalidArgumentError(str(e)) from None
-        if tree.tokens[0] != s.tokens[-1]:
-            raise InvalidArgumentError(
-                f"tree.tokens[0] = {tree.tokens[0]}: the root must be the session's anchor "
-                f"{s.tokens[-1]}"
-            )
-        if base + tree.max_depth + 2 > self.limits.max_context:
-            raise LimitExceededError(
-                f"verify: context {base + tree.max_depth + 1} would exceed max_context "
-                f"{self.limits.max_context}"
-            )
-        if call.chains is not None:
-            self._check_chains(call.chains, tree)
+        s = self.sessions.touch(call.session_id)
+        chain_block = self.adapter.config.block if self.adapter is not None else 0
+        check_verify_call(call, s.base, s.tokens[-1], self.limits, chain_block)
         return s
-
-    def _check_chains(self, chains: MaskChains, tree: TokenTree) -> None:
-        if self.adapter is None:
-            raise InvalidArgumentError("verify.chains: this verifier has no self-draft adapter "
-                                       "(`--drafter self:DIR` loads one)")
-        if not 1 <= chains.depth <= self.adapter.config.block:
-            raise InvalidArgumentError(f"verify.chains.depth = {chains.depth}: must lie in "
-                                       f"[1, {self.adapter.config.block}] (the adapter's block)")
-        if not 1 <= chains.top_k <= self.vocab_size:
-            raise InvalidArgumentError(
-                f"verify.chains.top_k = {chains.top_k}: must lie in [1, {self.vocab_size}]")
-        bad = next((u for u in chains.after if not 0 <= u < len(tree.tokens)), None)
-        if bad is not None:
-            raise InvalidArgumentError(f"verify.chains.after: node {bad} is not in the tree of "
-                                       f"{len(tree.tokens)} nodes")
-        if len(set(chains.after)) != len(chains.after):
-            raise InvalidArgumentError("verify.chains.after: a node named twice")
 
     def _run(self, items: list[tuple[_Session, VerifyCall]],
              prompts: list[tuple[PrefillCall, Seat]]) -> list[VerifyResult | PrefillResult]:
@@ -452,7 +381,7 @@ class HFVerifier(Verifier):
         """
         t0 = time.perf_counter()
         segments, input_ids, positions, mask_rows = [], [], [], []
-        chains = [self._chains(c) for _, c in items]
+        chains = [fit_chains(c, self.limits.max_context) for _, c in items]
         for (s, c), ch in zip(items, chains):
             start, paths = len(input_ids), list(c.tree.paths())
             input_ids += c.tree.tokens
@@ -529,15 +458,6 @@ class HFVerifier(Verifier):
             return known[node] if node < len(known) else self.runner.logits(hidden[node])
 
         return walk_tree(tree, node_logits, s.sampling, s.generator), None
-
-    def _chains(self, call: VerifyCall) -> MaskChains | None:
-        """The call's chains, shortened to stay inside the context window (they only draft:
-        a shorter chain drafts a shallower next block); None when none fits."""
-        ch = call.chains
-        if ch is None or not ch.after:
-            return None
-        room = self.limits.max_context - 1 - call.base - max(call.tree.depths[u] for u in ch.after)
-        return None if room < 1 else replace(ch, depth=min(ch.depth, room))
 
     def _next_block(self, walk: WalkResult, hidden: torch.Tensor, chains_start: int,
                     chains: MaskChains | None) -> DraftMarginals | None:

@@ -18,6 +18,7 @@ from collections.abc import Generator, Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from presto_sd.method.tree import TokenTree
 from presto_sd.models import llama
 from presto_sd.models.invariant import (
     attention_shape,
@@ -134,3 +135,38 @@ class TargetRunner:
             hidden, f = self.forward([Segment(kv, 0, len(ids))], ids, range(start, start + len(ids)))
             kv.keep(range(len(ids)))
             yield hidden, f
+
+    def next_token_logits(self, kv: SessionKV, prompt: Sequence[int],
+                          continuations: Sequence[Sequence[int]], chunk: int) -> torch.Tensor:
+        """fp32 logits ``[B, V]`` of the token after ``prompt + c`` for each continuation ``c``,
+        on ``kv`` (a fresh session's: nothing of it is kept), bitwise what AR computes there
+        after a prefill in chunks of ``chunk``: the prompt's last row from the prefill's
+        forward, a continuation's from a tree over the prompt's KV (tree rows are AR steps'
+        rows: that is what makes every method lossless)."""
+        if not prompt:
+            raise ValueError("next_token_logits: an empty prompt (the law starts after a prefill)")
+        for hidden, _ in self.prefill_chunks(kv, prompt, chunk):
+            last = hidden[-1]
+        vocab = self.model.config.vocab_size
+        out = torch.empty(len(continuations), vocab, dtype=torch.float32, device=self.device)
+        by_first: dict[int, list[int]] = {}
+        for i, c in enumerate(continuations):
+            if c:
+                by_first.setdefault(c[0], []).append(i)
+            else:
+                out[i] = self.logits(last)
+        for group in by_first.values():  # one tree per first token, written over the same free KV
+            node_of: dict[tuple[int, ...], int] = {}
+            tokens, parents = [], []
+            for i in group:
+                c = tuple(continuations[i])
+                for d in range(1, len(c) + 1):
+                    if c[:d] not in node_of:
+                        node_of[c[:d]] = len(tokens)
+                        tokens.append(c[d - 1])
+                        parents.append(node_of[c[: d - 1]] if d > 1 else -1)
+            tree = TokenTree.from_lists(tokens, parents)
+            rows, _ = self.forward([Segment(kv, 0, len(tokens), tree.paths())], tokens,
+                                   tree.position_ids(len(prompt)))
+            out[group] = self.logits(rows[[node_of[tuple(continuations[i])] for i in group]])
+        return out

@@ -8,15 +8,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from presto_sd.engine.messages import EngineError, FeatureDelta, answer_of
+from presto_sd.engine.messages import (
+    EngineError,
+    FeatureDelta,
+    InvalidArgumentError,
+    LimitExceededError,
+    answer_of,
+    check_base,
+)
 from presto_sd.engine.sessions import KVMemory
 from presto_sd.method.acceptance import SamplingParams
 from presto_sd.method.cost_model import CostFit
-from presto_sd.method.tree import TokenTree, TreeLimits
+from presto_sd.method.tree import TokenTree, TreeError, TreeLimitError, TreeLimits
 from presto_sd.models.invariant import MAX_INVARIANT_ROWS
 
 # the most rows one verifier forward may hold: its kernels were probed row-invariant up to it
@@ -202,3 +209,67 @@ class Verifier(ABC):
 
     @abstractmethod
     def close(self, session_id: str) -> None: ...
+
+
+def check_prompt(token_ids: Sequence[int], anchor: int | None, vocab_size: int, max_context: int) -> None:
+    """What a verifier checks of a prompt before it seats a session: not empty, every token
+    (and the anchor) in the vocabulary, room for the anchor inside the context."""
+    if not token_ids:
+        raise InvalidArgumentError("prefill.token_ids: empty prompt")
+    bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
+                if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"prefill.token_ids: token {bad} out of range [0, {vocab_size})")
+    if len(token_ids) + 1 > max_context:
+        raise LimitExceededError(f"prefill: {len(token_ids)} tokens exceed max_context {max_context}")
+
+
+def check_verify_call(call: VerifyCall, session_base: int, anchor: int, limits: VerifierLimits,
+                      chain_block: int) -> None:
+    """What every verifier checks of a verify call before it changes anything: the base, the
+    tree (shape, limits, vocabulary; rooted at the session's pending ``anchor``), the context
+    it reaches, and its mask chains (``chain_block``: the self-draft adapter's block, 0 for a
+    verifier without one)."""
+    tree = call.tree
+    check_base(call.session_id, session_base, call.base)
+    try:
+        tree.validate(limits.tree)
+    except TreeLimitError as e:
+        raise LimitExceededError(str(e)) from None
+    except TreeError as e:
+        raise InvalidArgumentError(str(e)) from None
+    if tree.tokens[0] != anchor:
+        raise InvalidArgumentError(
+            f"tree.tokens[0] = {tree.tokens[0]}: the root must be the session's anchor {anchor}")
+    if call.base + tree.max_depth + 2 > limits.max_context:
+        raise LimitExceededError(
+            f"verify: context {call.base + tree.max_depth + 1} would exceed max_context {limits.max_context}")
+    if call.chains is not None:
+        _check_chains(call.chains, tree, chain_block, limits.tree.vocab_size)
+
+
+def _check_chains(chains: MaskChains, tree: TokenTree, chain_block: int, vocab_size: int | None) -> None:
+    if not chain_block:
+        raise InvalidArgumentError("verify.chains: this verifier has no self-draft adapter "
+                                   "(`--drafter self:DIR` loads one)")
+    if not 1 <= chains.depth <= chain_block:
+        raise InvalidArgumentError(f"verify.chains.depth = {chains.depth}: must lie in "
+                                   f"[1, {chain_block}] (the adapter's block)")
+    if vocab_size is not None and not 1 <= chains.top_k <= vocab_size:
+        raise InvalidArgumentError(f"verify.chains.top_k = {chains.top_k}: must lie in [1, {vocab_size}]")
+    bad = next((u for u in chains.after if not 0 <= u < len(tree.tokens)), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"verify.chains.after: node {bad} is not in the tree of "
+                                   f"{len(tree.tokens)} nodes")
+    if len(set(chains.after)) != len(chains.after):
+        raise InvalidArgumentError("verify.chains.after: a node named twice")
+
+
+def fit_chains(call: VerifyCall, max_context: int) -> MaskChains | None:
+    """The call's chains, shortened to stay inside the context window (they only draft: a
+    shorter chain drafts a shallower next block); None when none fits."""
+    ch = call.chains
+    if ch is None or not ch.after:
+        return None
+    room = max_context - 1 - call.base - max(call.tree.depths[u] for u in ch.after)
+    return None if room < 1 else replace(ch, depth=min(ch.depth, room))
