@@ -141,13 +141,16 @@ class CountingVerifier(HFVerifier):
     def __init__(self, *args, delay_s: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.forwards, self.delay_s, self.events = 0, delay_s, []
+        forward = self.runner.forward
 
-    def _forward(self, segments, input_ids, positions, mask_rows=()):
-        self.forwards += 1
-        self.events.append(("step" if len(input_ids) == 1 else "chunk", time.monotonic()))
-        if len(input_ids) > 1:
-            time.sleep(self.delay_s)
-        return super()._forward(segments, input_ids, positions, mask_rows)
+        def counted(segments, input_ids, positions, mask_rows=()):
+            self.forwards += 1
+            self.events.append(("step" if len(input_ids) == 1 else "chunk", time.monotonic()))
+            if len(input_ids) > 1:
+                time.sleep(self.delay_s)
+            return forward(segments, input_ids, positions, mask_rows)
+
+        self.runner.forward = counted
 
 
 def _committed_bytes(kv) -> int:
@@ -180,6 +183,7 @@ def test_a_call_over_the_kv_budget_is_refused_before_it_allocates(tiny_target):
     verifier = CountingVerifier(tiny_target, (0, 2), max_kv_bytes=100 * PER, kv_min_capacity=64)
     a = verifier.prefill("a", [1 + i % 15 for i in range(60)])  # one slot of 64: 64 of the 100
     before = verifier.forwards
+    assert before == 1  # the prefill's one forward: the count sees the target's forwards
     with pytest.raises(LimitExceededError, match="budget"):
         verifier.prefill("b", [1] * 50)  # a second slot of 64: the page doubles, 128 > 100
     tree = TokenTree.from_lists([a.anchor] + [1] * 44, [-1] + [0] * 44)  # 60 + 45 > 64: a slot of 128
