@@ -165,7 +165,8 @@ def plot() -> Path:
                  "until 2026-12-05 morning, size 0 in the data);\nwarm starts, each from the one before: "
                  "stars, 2000 steps on 1.1 M more tokens (noon); plus signs, 4000 steps, a 16k vocabulary, "
                  "bf16 training (afternoon);\ncrosses, 4500 steps, +0.22 M tokens (17:50); diamonds, grown "
-                 "to 3 layers, 3000 steps on 1.34 M new tokens (21:10), then 3000 more on 0.97 M (23:30);\n"
+                 "to 3 layers, 3000 steps on 1.34 M new tokens (21:10), then 3000 more on 0.97 M (23:30),\n"
+                 "then 3000 more on 0.87 M (2026-12-06 05:00); "
                  "the warm starts' replays are bf16 on an AMD EPYC, the others fp32 on an Intel AMX",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.2, 1, 0.92))
