@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from presto_sd.models.cache import cache_dir
 
@@ -19,7 +19,10 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         what = f.metadata.get("help", "")
-        if isinstance(default, bool):
+        if default is MISSING:  # a field without a default: a required flag, typed from its annotation
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            p.add_argument(flag, type=kind, required=True, help=what or None)
+        elif isinstance(default, bool):
             p.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=what or None)
         elif isinstance(default, tuple):
             p.add_argument(flag, default=",".join(map(str, default)),
@@ -101,6 +104,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_dataclass_args(acc, AcceptanceConfig, skip=("drafter", "data"))
     acc.add_argument("--drafter", required=True, help="the drafter dir to equip")
     acc.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="gen-data shards (n-gram table)")
+
+    from presto_sd.app.training.link import LinkConfig
+
+    link = tsub.add_parser("link", help="the next drafter of a warm-start chain: features, training from "
+                           "the parent, predictors, and the choices (rho; better than the parent?) made "
+                           "by the replay on held-out prompts; resumable (docs/training.md)")
+    _add_dataclass_args(link, LinkConfig)
     train.set_defaults(run=run)
 
 
@@ -143,5 +153,12 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
 
         report = train_acceptance(_to_config(AcceptanceConfig, args))
+        print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    elif args.train_command == "link":
+        import json
+
+        from presto_sd.app.training.link import LinkConfig, run_link
+
+        report = run_link(_to_config(LinkConfig, args))
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     return 0

@@ -1,0 +1,88 @@
+"""``presto-sd train link``: one warm-start link end to end on a tiny target, its choices made
+on held-out prompts (never a benchmark), resumable, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
+from presto_sd.app.training.export import export_drafter
+from presto_sd.app.training.features import materialize
+from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
+from presto_sd.app.training.link import LinkConfig, LinkError, run_link
+from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
+from presto_sd.models.assets import file_digests
+from presto_sd.models.loading import load_target
+
+GROW = dict(sources="code,arith", n_code=8, n_arith=8, max_new_tokens=24, batch_size=4, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_target_dir, tmp_path_factory):
+    """A corpus of 4 shards and a parent drafter trained on shard 0 (predictors from shard 1)."""
+    root = tmp_path_factory.mktemp("link")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PRESTO_SD_CACHE", str(root / "cache"))
+    model, tok = load_target(str(tiny_target_dir), torch.device("cpu"), torch.float32)
+    grow = GrowConfig(corpus=str(root / "corpus"), target=str(tiny_target_dir), **GROW)
+    corpus = grow_corpus(grow, model, tok)
+    data = materialize(corpus, root / "data0", model, str(tiny_target_dir), (0, 1), max_shards=1)
+    run = train_drafter(TrainConfig(
+        data=str(data), out=str(root / "run0"), target=str(tiny_target_dir), num_layers=1, block_size=4,
+        draft_vocab=64, anchors_per_seq=4, batch_seqs=2, steps=20, lr=3e-3, warmup=2, log_every=5,
+        ckpt_every=20, heldout_seqs=1))
+    parent = export_drafter(run, root / "parent")
+    train_acceptance(AcceptanceConfig(drafter=str(parent), data=str(data), target=str(tiny_target_dir),
+                                      n_prompts=4, max_new_tokens=8, budget=8, depth=3, epochs=20,
+                                      corpus=str(corpus), corpus_from_shard=1))
+    prompts = root / "heldout.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name a colour.", "Count to 5.")))
+    yield root, corpus, parent, prompts, tiny_target_dir
+    mp.undo()
+
+
+def link_config(chain, work: str, **kw) -> LinkConfig:
+    root, corpus, parent, prompts, target = chain
+    base = dict(work=str(root / work), first_shard=1, shards=1, parent=str(parent), corpus=str(corpus),
+                target=str(target), steps=10, batch_seqs=2, heldout_seqs=1, ckpt_every=10,
+                acceptance_prompts=4, acceptance_tokens=8, choose_on=str(prompts), choose_n=2,
+                budgets=(2, 4), max_new_tokens=8, dtype="float32")
+    return LinkConfig(**{**base, **kw})
+
+
+def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
+    cfg = link_config(chain, "link1")
+    report = run_link(cfg)
+    work, candidate = chain[0] / "link1", chain[0] / "link1" / "candidate"
+    assert json.loads((work / "link_report.json").read_text()) == report
+    by_rho = report["candidate"]["tau_by_rho"]
+    assert set(by_rho) == {"hphi", "ngram"} and report["candidate"]["rho"] in by_rho
+    assert all(f"presto-best-first@{b}" in taus for taus in by_rho.values() for b in (2, 4))
+    assert {"linear", "presto-best-first@2"} <= set(report["parent"]["tau"])
+    assert report["parent"]["rho"] == json.loads((chain[2] / "presto.json").read_text())["rho"]
+    assert isinstance(report["wins"], bool) and report["score"]["candidate"] >= 1.0
+    # the chosen rho is what the candidate's presto.json names, and its digests still hold
+    presto = json.loads((candidate / "presto.json").read_text())
+    assert presto["rho"] == report["candidate"]["rho"]
+    assert presto["lambdas"] == presto["lambdas_by_rho"][presto["rho"]]
+    assert json.loads((candidate / "sha256.json").read_text()) == file_digests(candidate)
+    # it trained from the parent, on the shard after the parent's, its predictors from the next
+    assert json.loads((work / "data" / "meta.json").read_text())["first_shard"] == 1
+    assert json.loads((candidate / "acceptance_report.json").read_text())["config"]["corpus_from_shard"] == 2
+    # resumed: every step is found done, nothing is redone
+    stamps = {p: p.stat().st_mtime_ns for p in work.rglob("*")
+              if p.is_file() and p.name != "link_report.json"}
+    assert run_link(cfg) == report
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_without_held_out_shards(chain):
+    for bench in ("gsm8k", "humaneval", "mtbench"):
+        with pytest.raises(LinkError, match="benchmark"):
+            run_link(link_config(chain, "refused", choose_on=bench))
+    with pytest.raises(LinkError, match="no shard from 4 on"):
+        run_link(link_config(chain, "refused", first_shard=3))
+    assert not (chain[0] / "refused" / "run").exists()  # refused before it trained anything
