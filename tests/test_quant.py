@@ -102,7 +102,7 @@ def test_the_int4_mode_computes_with_the_blocks_not_the_dense_weights():
     model, blocks = _quantized_tiny(torch.float32)
     linears = int4_linears(blocks, model, torch.float32)
     int4 = HFVerifier(model, (0, 1), linears=linears)
-    layer = int4.owned.layers[0]
+    layer = int4.runner.owned.layers[0]
     assert layer.down is linears["layers.0.mlp.down_proj"]
     # gate and up run as one int4 matmul over their stacked blocks: bitwise theirs side by side
     x = torch.randn(3, model.config.hidden_size)

@@ -40,7 +40,14 @@ from presto_sd.models.loading import (
     resolve_drafter,
     target_gguf,
 )
-from presto_sd.models.quant import ROW_BLOCK, WEIGHTS, gguf_q4_1_blocks, gguf_q8_0_head, int4_linears
+from presto_sd.models.quant import (
+    ROW_BLOCK,
+    WEIGHTS,
+    gguf_q4_1_blocks,
+    gguf_q8_0_head,
+    int4_linears,
+    open_gguf,
+)
 from presto_sd.models.self_draft import SelfDraftAdapter
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -119,9 +126,9 @@ def verifier_engine(
         raise ValueError(f"weights {weights!r}: one of {', '.join(WEIGHTS)}")
     linears, head, walk_rows = None, None, WALK_ROWS
     if weights == "gguf-int4":
-        gguf_path = target_gguf(target)
-        linears = int4_linears(gguf_q4_1_blocks(gguf_path, model.config), model, model.dtype)
-        head = gguf_q8_0_head(gguf_path, model, model.dtype)
+        reader = open_gguf(target_gguf(target))
+        linears = int4_linears(gguf_q4_1_blocks(reader, model.config), model, model.dtype)
+        head = gguf_q8_0_head(reader, model, model.dtype)
         walk_rows = ROW_BLOCK if head is not None else WALK_ROWS  # more rows: another kernel block
     config = assets.config or random_drafter_config(model.config)
     return HFVerifier(model, DFlashConfig.from_dict(config).target_layer_ids, limits,

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from presto_sd.models.invariant import PROBE_ROWS, fusion_agrees, rows_agree_in
+
+if TYPE_CHECKING:
+    import gguf
 
 GROUP = 32  # Q4_1's block: weights per (d, m) pair, along the input dimension
 # the int4 kernel computes rows 4 at a time, re-dequantizing the weights for each 4: 1-4 rows
@@ -187,15 +191,24 @@ def q8_0_blocks(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     return q, d
 
 
-def gguf_q8_0_head(path: str | Path, model: torch.nn.Module,
+def open_gguf(source: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
+    """A ``gguf.GGUFReader`` of ``source`` (a path), or ``source`` itself where it is one:
+    parsing the file's header costs seconds, so a caller reading the head and the linears
+    opens it once."""
+    import gguf
+
+    return source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
+
+
+def gguf_q8_0_head(source: str | Path | gguf.GGUFReader, model: torch.nn.Module,
                    dtype: torch.dtype = torch.bfloat16) -> Q8Head | None:
     """The GGUF's output matrix as a ``Q8Head`` where it is Q8_0 (``output``, else the tied
     ``token_embd``), checked against the loaded lm_head (its dequantized values, in the model's
     dtype) and probed row-invariant; None where the file's head is another type (the dense
-    head stays)."""
+    head stays). ``source``: the file's path or its ``open_gguf`` reader."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(source)
     tensors = {t.name: t for t in reader.tensors}
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
@@ -221,12 +234,13 @@ def _reverse_permute(blocks: Q4Blocks, heads: int) -> Q4Blocks:
     return blocks.rows(order)
 
 
-def gguf_q4_1_blocks(path: str | Path, config) -> dict[str, Q4Blocks]:
+def gguf_q4_1_blocks(source: str | Path | gguf.GGUFReader, config) -> dict[str, Q4Blocks]:
     """Every Q4_1 linear of a Llama-family GGUF, keyed by its module under the decoder
-    (``layers.{i}.self_attn.q_proj`` ...), rows in transformers' order."""
+    (``layers.{i}.self_attn.q_proj`` ...), rows in transformers' order. ``source``: the
+    file's path or its ``open_gguf`` reader."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(source)
     arch = reader.fields["general.architecture"]
     # llama.cpp's converter reorders q / k rows for the llama architecture only
     permuted = bytes(arch.parts[arch.data[0]]).decode() == "llama"
