@@ -61,8 +61,9 @@ def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
     by_rho = report["candidate"]["tau_by_rho"]
     assert set(by_rho) == {"hphi", "ngram"} and report["candidate"]["rho"] in by_rho
     assert all(f"presto-best-first@{b}" in taus for taus in by_rho.values() for b in (2, 4))
-    assert {"linear", "presto-best-first@2"} <= set(report["parent"]["tau"])
-    assert report["parent"]["rho"] == json.loads((chain[2] / "presto.json").read_text())["rho"]
+    parent_by_rho = report["parent"]["tau_by_rho"]  # each drafter at its own best rho
+    assert set(parent_by_rho) == {"hphi", "ngram"} and report["parent"]["rho"] in parent_by_rho
+    assert {"linear", "presto-best-first@2"} <= set(parent_by_rho["hphi"])
     assert isinstance(report["wins"], bool) and report["score"]["candidate"] >= 1.0
     # the chosen rho is what the candidate's presto.json names, and its digests still hold
     presto = json.loads((candidate / "presto.json").read_text())
@@ -79,10 +80,20 @@ def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
 
-def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_without_held_out_shards(chain):
-    for bench in ("gsm8k", "humaneval", "mtbench"):
+def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_the_corpus_cannot_fill(chain):
+    for bench in ("gsm8k", "humaneval", "mtbench", "sharegpt,gsm8k", " mtbench ,"):
         with pytest.raises(LinkError, match="benchmark"):
             run_link(link_config(chain, "refused", choose_on=bench))
-    with pytest.raises(LinkError, match="no shard from 4 on"):
+    with pytest.raises(LinkError, match="0 prompts in its shards from 4 on"):
         run_link(link_config(chain, "refused", first_shard=3))
-    assert not (chain[0] / "refused" / "run").exists()  # refused before it trained anything
+    with pytest.raises(LinkError, match="lacks \\[4, 5\\]"):
+        run_link(link_config(chain, "refused", first_shard=3, shards=3))
+    with pytest.raises(LinkError, match="asks 9"):  # shards 2-3 hold 8 prompts
+        run_link(link_config(chain, "refused", acceptance_prompts=9))
+    assert not (chain[0] / "refused").exists()  # refused before it wrote anything
+
+
+def test_a_link_dir_resumes_only_with_its_own_settings(chain):
+    run_link(link_config(chain, "settings", steps=5, choose_n=1))
+    with pytest.raises(LinkError, match="other settings \\(lr, steps\\)"):
+        run_link(link_config(chain, "settings", steps=6, lr=1e-3, choose_n=1))

@@ -80,7 +80,6 @@ class TargetRunner:
         self.row_invariant = (bool(linears) or linears_ok) and self.head_kernel is not None
         # None: transformers' forward
         self.owned = llama.LlamaDecoder(model, linears, adapter, compile) if owned else None
-        self.adapter = adapter
         # the decode rows' attention: torch's fused kernel where its rows agree (bf16 here)
         self.attention_kernel = pick_attention_kernel(*attention_shape(model.config), model.dtype,
                                                       self.head_weight.device.type)

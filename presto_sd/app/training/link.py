@@ -5,13 +5,14 @@ corpus shards it never saw, fitted its acceptance predictors on the shards after
 judged against its parent. The choices a link makes (which rho its ``presto.json`` names;
 whether it beats its parent) are made by the replay on a held-out prompt set that nothing
 trains on: ShareGPT's held-out split by default, never a benchmark set. Each step leaves its
-output in the link's dir and is skipped when it is there, so an interrupted link resumes:
+output in the link's dir and is skipped when it is there, so an interrupted link resumes
+(with the settings it started with: ``link.json``; other settings are refused):
 
     data/        the shards' features and soft labels (``train features``; cached by sha256)
     run/         the training run (``train drafter --init-drafter PARENT``; resumable)
     candidate/   the exported drafter with its predictors (``train export``, ``train acceptance``)
     choice/      one replay per (drafter, rho) (``bench --replay``)
-    link_report.json   the taus, the rho chosen, and whether the candidate beats its parent
+    link_report.json   the taus, each drafter's best rho, and whether the candidate beats its parent
 
 Shipping stays a person's act: the report names the command that copies the candidate.
 """
@@ -19,11 +20,13 @@ Shipping stays a person's act: the report names the command that copies the cand
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
+from presto_sd.models.assets import DIGESTS_FILE
 
 CHOICE_METHOD = "presto-best-first"  # the CLI default's builder: what a rho is chosen for
 
@@ -61,44 +64,72 @@ class LinkError(ValueError):
 
 
 def run_link(cfg: LinkConfig) -> dict:
-    """Every step of the link not done yet; returns (and writes) the link's report."""
-    if cfg.choose_on in BENCHMARKS:
-        raise LinkError(f"--choose-on {cfg.choose_on}: a benchmark set; a link's choices are made on "
-                        "held-out prompts nothing trains or is judged on (sharegpt, or a JSONL file)")
+    """Every step of the link not done yet; returns (and writes) the link's report. A link's
+    dir is for one set of settings: resuming it with others is refused (a new ``--work``)."""
+    _check(cfg)
     from presto_sd.models.loading import DEFAULT_DRAFTER
 
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
+    settings, asked = work / "link.json", _settings(cfg)
+    if settings.is_file() and (was := json.loads(settings.read_text())) != asked:
+        changed = sorted(k for k in asked if was.get(k) != asked[k])
+        raise LinkError(f"{work} holds a link made with other settings ({', '.join(changed)}): "
+                        "give a new --work, or the same settings to resume it")
+    if not settings.is_file():
+        settings.write_text(json.dumps(asked, indent=2) + "\n")
     parent = Path(cfg.parent) if cfg.parent else DEFAULT_DRAFTER
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
     candidate = work / "candidate"
-    if not (candidate / "model.safetensors").is_file():
+    if not candidate.is_dir():  # exported beside it, then renamed: a dir there is a whole export
         from presto_sd.app.training.export import export_drafter
 
-        export_drafter(_train(cfg, data, work / "run", parent), candidate)
-    if not (candidate / "acceptance_report.json").is_file():
+        staged = work / "candidate.export"
+        shutil.rmtree(staged, ignore_errors=True)
+        export_drafter(_train(cfg, data, work / "run", parent), staged).rename(candidate)
+    if not (candidate / DIGESTS_FILE).is_file():  # train_acceptance writes the digests last
         _acceptance(cfg, data, candidate, parent_config)
     report = _choose(cfg, work / "choice", parent, candidate)
     (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
+def _settings(cfg: LinkConfig) -> dict:
+    return {**asdict(cfg), "budgets": list(cfg.budgets)}  # as JSON reads it back
+
+
+def _check(cfg: LinkConfig) -> None:
+    """Refuse, before anything runs, a benchmark to choose on and a window the corpus cannot
+    fill: its shards, and after them the acceptance fit's prompts."""
+    from presto_sd.app.flags import csv
+    from presto_sd.app.training.token_corpus import Corpus
+
+    bench = sorted(set(csv(cfg.choose_on)) & BENCHMARKS) if not Path(cfg.choose_on).is_file() else []
+    if bench:
+        raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
+                        "choices are made on held-out prompts nothing trains or is judged on "
+                        "(sharegpt, or a JSONL file)")
+    shards = Corpus(cfg.corpus).manifest()["shards"]
+    end = cfg.first_shard + cfg.shards
+    missing = [i for i in range(cfg.first_shard, end) if str(i) not in shards]
+    if cfg.shards < 1 or missing:
+        raise LinkError(f"shards {cfg.first_shard}-{end - 1}: the corpus lacks {missing[:4]} (grow it first)")
+    held = sum(e["sequences"] for i, e in shards.items() if int(i) >= end)
+    if held < cfg.acceptance_prompts:
+        raise LinkError(f"the corpus has {held} prompts in its shards from {end} on, the acceptance fit asks "
+                        f"{cfg.acceptance_prompts}: its predictors are fitted on shards after the link's "
+                        "window (grow the corpus first)")
+
+
 def _features(cfg: LinkConfig, out: Path, parent_config: dict) -> Path:
     import torch
 
     from presto_sd.app.training.features import materialize
-    from presto_sd.app.training.token_corpus import Corpus
 
-    later = [i for i in Corpus(cfg.corpus).indices() if i >= cfg.first_shard + cfg.shards]
-    if not later:
-        raise LinkError(f"the corpus has no shard from {cfg.first_shard + cfg.shards} on: the acceptance "
-                        "traces need held-out shards after the link's window (grow the corpus first)")
     meta = out / "meta.json"
     if meta.is_file():
-        done = json.loads(meta.read_text())
-        if (done["first_shard"], done["shards"]) == (cfg.first_shard, cfg.shards):
-            return out
+        return out
     from presto_sd.models.loading import load_target
 
     model, _ = load_target(cfg.target, torch.device("cpu"), getattr(torch, cfg.dtype))
@@ -130,7 +161,9 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str) -
     """``bench --replay`` of ``drafter`` with ``rho`` (its output kept in ``out``): pooled tau
     per method and budget."""
     if not (out / "replay.json").is_file():
-        from presto_sd.app.cli import build_parser
+        import argparse
+
+        from presto_sd.app.bench.cli import register
 
         is_file = Path(cfg.choose_on).is_file()
         argv = ["bench", "--replay", "--drafter", str(drafter), "--methods", methods,
@@ -140,7 +173,9 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str) -
                 *(["--prompts-file", cfg.choose_on, "--datasets", ""] if is_file else
                   ["--datasets", cfg.choose_on]),
                 *(["--target", cfg.target] if cfg.target else [])]
-        args = build_parser().parse_args(argv)
+        parser = argparse.ArgumentParser(prog="presto-sd")
+        register(parser.add_subparsers())
+        args = parser.parse_args(argv)
         args.run(args)
     rows = json.loads((out / "replay.json").read_text())["rows"]
     pooled = [r for r in rows if r["dataset"] == "all"] or rows  # one set: its own rows
@@ -148,38 +183,40 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str) -
 
 
 def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path) -> dict:
-    """The candidate's rho (the one its presto-best-first reads best on the held-out prompts,
-    averaged over the budgets), written into its ``presto.json``; and the verdict against
-    the parent's own settings on the same prompts."""
-    from presto_sd.models.assets import write_digests
+    """Each drafter at its best rho on the held-out prompts (presto-best-first tau averaged
+    over the budgets; both get the same choice, so the verdict is not tilted towards the
+    one that chose), the candidate's written into its ``presto.json``; and the verdict."""
+    from presto_sd.models.assets import file_digests, write_digests
 
-    presto_file = candidate / "presto.json"
-    presto = json.loads(presto_file.read_text())
-    by_rho = {rho: _replay(cfg, candidate, choice / f"candidate-{rho}", rho,
-                           "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD)
-              for k, rho in enumerate(sorted(presto["lambdas_by_rho"]))}
-    parent_rho = json.loads((parent / "presto.json").read_text())["rho"]
-    parent_tau = _replay(cfg, parent, choice / f"parent-{parent_rho}", parent_rho,
-                         "linear,marginal," + CHOICE_METHOD)
+    def by_rho(drafter: Path, name: str) -> dict[str, dict[str, float]]:
+        rhos = sorted(json.loads((drafter / "presto.json").read_text())["lambdas_by_rho"])
+        return {rho: _replay(cfg, drafter, choice / f"{name}-{rho}", rho,
+                             "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD)
+                for k, rho in enumerate(rhos)}
 
     def score(taus: dict[str, float]) -> float:
         return sum(taus[f"{CHOICE_METHOD}@{b}"] for b in cfg.budgets) / len(cfg.budgets)
 
-    rho = max(by_rho, key=lambda r: score(by_rho[r]))
-    if presto["rho"] != rho:
+    mine, theirs = by_rho(candidate, "candidate"), by_rho(parent, "parent")
+    rho, parent_rho = (max(t, key=lambda r: score(t[r])) for t in (mine, theirs))
+    presto_file = candidate / "presto.json"
+    presto = json.loads(presto_file.read_text())
+    if (presto["rho"], presto["lambdas"]) != (rho, presto["lambdas_by_rho"][rho]):
         presto.update(rho=rho, lambdas=presto["lambdas_by_rho"][rho])
         presto_file.write_text(json.dumps(presto, indent=2))
+    # checked every time: a stop between the two writes must not leave digests that refuse the dir
+    if json.loads((candidate / DIGESTS_FILE).read_text()) != file_digests(candidate):
         write_digests(candidate)
-    wins = score(by_rho[rho]) > score(parent_tau)
+    wins = score(mine[rho]) > score(theirs[parent_rho])  # (the parent may read best at another rho
+    # than its presto.json names: the report's parent.rho says so)
     return {
-        "config": {**asdict(cfg), "budgets": list(cfg.budgets)},  # as JSON reads it back
+        "config": _settings(cfg),
         "choose_on": cfg.choose_on,
-        "parent": {"dir": str(parent), "rho": parent_rho, "tau": parent_tau},
-        "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": by_rho},
-        "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}",
-                  "parent": round(score(parent_tau), 4), "candidate": round(score(by_rho[rho]), 4)},
+        "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs},
+        "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine},
+        "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best rho",
+                  "parent": round(score(theirs[parent_rho]), 4), "candidate": round(score(mine[rho]), 4)},
         "wins": wins,
-        "ship": (f"rm -r {parent} && cp -r {candidate} {parent}" if wins else
-                 "the parent stays: the candidate does not beat it on the held-out prompts"),
+        "ship": f"rm -r {parent} && cp -r {candidate} {parent}" if wins else
+                "the parent stays: the candidate does not beat it on the held-out prompts",
     }
-
