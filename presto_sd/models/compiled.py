@@ -29,6 +29,7 @@ through it transformers' in fp32.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -51,17 +52,21 @@ def _shape(h: torch.Tensor, plan) -> tuple:
                   for g in plan.groups))
 
 
-def _mark_dynamic(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan) -> None:
+def _mark_dynamic(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan,
+                  marked: weakref.WeakKeyDictionary) -> None:
     """Rows, key widths and the KV pages' slots and capacities symbolic from the first call:
     one graph for every context length, batch and page (dynamo specializes a size of 1
-    still: one session's step has a graph of its own)."""
+    still: one session's step has a graph of its own). A page's tensors (two a layer) are
+    marked once for each slot count (``marked``: page -> slots): growing replaces them."""
     mark = torch._dynamo.maybe_mark_dynamic
     mark(h, 0), mark(cos, 2), mark(sin, 2)
     for w in plan.writes:
         for t in (w.rows, w.slots, w.positions):
             mark(t, 0)
-        for t in (*w.page.keys, *w.page.values):
-            mark(t, 0), mark(t, 2)
+        if marked.get(w.page) != w.page.slots:
+            for t in (*w.page.keys, *w.page.values):
+                mark(t, 0), mark(t, 2)
+            marked[w.page] = w.page.slots
     for g in plan.groups:
         for t in (g.rows, g.visible, g.positions, g.slots):
             if t is not None:
@@ -78,6 +83,7 @@ class CompiledForward:
         self.graph = torch.compile(forward, options=INDUCTOR_OPTIONS)
         self.agreed: dict[tuple, bool] = {}  # plan shape -> its graph's first call was bitwise eager
         self.failed: str | None = None  # why compiling failed (no C++ compiler...): eager from then on
+        self.marked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KV page -> slots marked
 
     def takes(self, h: torch.Tensor, plan) -> bool:
         """AR steps at one key width (one row group: no prompt chunks, no tree nodes), at most
@@ -89,7 +95,7 @@ class CompiledForward:
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan,
                  keep_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        _mark_dynamic(h, cos, sin, plan)
+        _mark_dynamic(h, cos, sin, plan, self.marked)
         try:
             out, kept = self.graph(h, cos, sin, plan, keep_layers)
         except Exception as e:  # inductor needs a working C++ toolchain, among others
