@@ -111,6 +111,8 @@ class HFVerifier(Verifier):
         self.model = self.runner.model
         self.target_layer_ids = self.runner.target_layer_ids
         self.adapter = adapter
+        # the mask chains' deepest block (0: no adapter, no chains)
+        self.self_draft_block = adapter.config.block if adapter is not None else 0
         self.walk_rows = walk_rows
         self.weights = weights
         self.vocab_size = model.config.vocab_size
@@ -155,7 +157,7 @@ class HFVerifier(Verifier):
             cost=self.forward_costs.fit,
             memory=self.sessions.memory(),
             row_invariant=self.runner.row_invariant,
-            self_draft_block=self.adapter.config.block if self.adapter is not None else 0,
+            self_draft_block=self.self_draft_block,
             decoder="owned" if self.runner.owned is not None else "transformers",
             weights=self.weights,
             attention_kernel=self.runner.attention_kernel,
@@ -367,8 +369,7 @@ class HFVerifier(Verifier):
     def _check(self, call: VerifyCall) -> _Session:
         """The session, if the call may run on it; the named error otherwise."""
         s = self.sessions.touch(call.session_id)
-        chain_block = self.adapter.config.block if self.adapter is not None else 0
-        check_verify_call(call, s.base, s.tokens[-1], self.limits, chain_block)
+        check_verify_call(call, s.base, s.tokens[-1], self.limits, self.self_draft_block)
         return s
 
     def _run(self, items: list[tuple[_Session, VerifyCall]],

@@ -207,11 +207,10 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path) -> dic
     # checked every time: a stop between the two writes must not leave digests that refuse the dir
     if json.loads((candidate / DIGESTS_FILE).read_text()) != file_digests(candidate):
         write_digests(candidate)
-    wins = score(mine[rho]) > score(theirs[parent_rho])  # (the parent may read best at another rho
-    # than its presto.json names: the report's parent.rho says so)
+    # (the parent may read best at another rho than its presto.json names: parent.rho says so)
+    wins = score(mine[rho]) > score(theirs[parent_rho])
     return {
         "config": _settings(cfg),
-        "choose_on": cfg.choose_on,
         "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs},
         "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine},
         "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best rho",
