@@ -77,6 +77,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     feat.add_argument("--first-shard", type=int, default=0,
                       help="start at this shard, e.g. the first one a warm-started drafter's parent "
                            "never saw (default: %(default)s)")
+    feat.add_argument("--sources", default="", help="only these plan sources' items, comma-separated "
+                      "(sharegpt, code, arith; default: all)")
+
+    from presto_sd.app.training.written import WrittenConfig
+
+    wr = tsub.add_parser("written", help="a corpus of the ShareGPT answers as written, mirroring the repo "
+                         "corpus's shards: prefill-only data (`train features --corpus` it, then "
+                         "`train drafter --hard-labels target`; docs/training.md)")
+    _add_dataclass_args(wr, WrittenConfig)
 
     dr = tsub.add_parser("drafter", help="train a DFlash drafter on gen-data shards (resumable)")
     _add_dataclass_args(dr, TrainConfig, skip=("data", "out"))
@@ -131,8 +140,13 @@ def run(args: argparse.Namespace) -> int:
 
         model, _ = load_target(args.target, torch.device("cpu"), getattr(torch, args.dtype))
         layers = tuple(int(x) for x in args.target_layer_ids.split(","))
+        sources = tuple(x for x in args.sources.split(",") if x)
         print(materialize(args.corpus, args.out, model, args.target, layers, args.top_k, args.max_shards,
-                          args.first_shard))
+                          args.first_shard, sources))
+    elif args.train_command == "written":
+        from presto_sd.app.training.written import WrittenConfig, write_written_corpus
+
+        print(write_written_corpus(_to_config(WrittenConfig, args)))
     elif args.train_command == "drafter":
         from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from presto_sd.app.training.token_corpus import Corpus, IdShard
+from presto_sd.app.training.written import item_source
 from presto_sd.models.cache import cache_dir
 
 SOFT_TOP_K = 16
@@ -89,12 +91,14 @@ def feature_cache_path(sha256: str, layer_ids: tuple[int, ...], top_k: int, dtyp
 
 def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | None,
                 layer_ids: tuple[int, ...], top_k: int = SOFT_TOP_K, max_shards: int = 0,
-                first_shard: int = 0) -> Path:
+                first_shard: int = 0, sources: tuple[str, ...] = ()) -> Path:
     """A ``train drafter --data`` dir for the corpus: each shard's features from the cache,
     prefilled first where missing. Returns ``out``; its ``meta.json`` states the prefill rate.
 
     ``first_shard``/``max_shards`` pick a window of shards in corpus order (a warm-started
-    drafter trains on the shards its parent never saw)."""
+    drafter trains on the shards its parent never saw). ``sources`` (plan sources, e.g.
+    ``("sharegpt",)``): only those items, written out as a copy of each cached shard's rows
+    instead of a link to it (the cache keeps whole shards)."""
     corpus = Corpus(corpus_dir)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,11 +119,30 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
             tmp.rename(cached)
         link = out / f"shard_{i:05d}.safetensors"
         link.unlink(missing_ok=True)
-        link.symlink_to(cached)
+        if sources:
+            tensors, metadata = subset_rows(cached, sources)
+            save_file(tensors, link, metadata=metadata)
+        else:
+            link.symlink_to(cached)
     meta = {"target": target, "target_layer_ids": list(layer_ids), "top_k": top_k,
             "dtype": str(dtype).removeprefix("torch."), "corpus": str(corpus_dir), "shards": len(indices),
-            "first_shard": indices[0] if indices else None,
+            "first_shard": indices[0] if indices else None, "sources": list(sources) or "all",
             "prefilled_tokens": prefilled_tokens, "prefill_seconds": round(prefill_s, 1),
             "prefill_tokens_per_s": round(prefilled_tokens / prefill_s, 1) if prefill_s else None}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def subset_rows(path: Path, sources: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A cached shard's tensors and metadata with only the sequences whose item comes from ``sources``."""
+    with safe_open(path, "pt") as f:
+        ids = json.loads(f.metadata()["ids"])
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    keep = [j for j, item in enumerate(ids) if item_source(item) in sources]
+    off = t["offsets"].tolist()
+    rows = torch.cat([torch.arange(off[j], off[j + 1]) for j in keep] or [torch.zeros(0, dtype=torch.long)])
+    lens = torch.tensor([off[j + 1] - off[j] for j in keep], dtype=torch.long)
+    out = {k: t[k][rows].contiguous() for k in ("tokens", "features", "topk_ids", "topk_logprobs")}
+    out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    out["prompt_lens"] = t["prompt_lens"][keep].contiguous()
+    return out, {"ids": json.dumps([ids[j] for j in keep])}

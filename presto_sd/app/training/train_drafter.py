@@ -32,6 +32,8 @@ from presto_sd.app.training.gen_data import Sequence, load_shards
 from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
 from presto_sd.models.loading import load_target, random_drafter_config
 
+HARD_LABELS = ("tokens", "target")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -77,6 +79,11 @@ class TrainConfig:
     # run the forward's matmuls in bf16 (torch autocast; weights and optimizer stay fp32):
     # ~2x a step where the CPU has AVX512-BF16/AMX (or on a GPU), slower elsewhere
     bf16: bool = False
+    # the hard CE's labels: "tokens", the sequence's own next tokens (the target's greedy
+    # answer in the regenerated corpus), or "target", the target's top-1 at every position
+    # (its soft labels' first id): for answers someone else wrote (``written.py``), what the
+    # target would have written after the same text
+    hard_labels: str = field(default="tokens", metadata={"help": "tokens | target"})
 
 
 def sequence_key(s: Sequence) -> str:
@@ -149,9 +156,11 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
     target_ids = torch.full((B, m, L - 1), -1, dtype=torch.long)  # target ids (accuracy)
     parents = torch.full((B, m, L - 1), -1, dtype=torch.long)  # draft id of each slot's parent token
     mask = torch.zeros(B, 1, m * L, T + m * L, dtype=torch.bool)
-    soft = [s.soft_labels for s in seqs] if cfg.soft_weight > 0 else [None] * B
-    if cfg.soft_weight > 0 and any(x is None for x in soft):
-        raise ValueError("soft_weight > 0 needs shards with soft labels: make them with `train features`")
+    need_soft = cfg.soft_weight > 0 or cfg.hard_labels == "target"
+    soft = [s.soft_labels for s in seqs] if need_soft else [None] * B
+    if need_soft and any(x is None for x in soft):
+        raise ValueError("soft_weight > 0 and --hard-labels target need shards with soft labels: "
+                         "make them with `train features`")
     k_soft = soft[0][0].shape[1] if soft[0] is not None else 1
     soft_ids = torch.full((B, m, L - 1, k_soft), -100, dtype=torch.long)  # draft ids, -100 outside
     soft_lp = torch.full((B, m, L - 1, k_soft), -torch.inf)
@@ -168,6 +177,8 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
             mask[b, 0, q, :a] = True  # context strictly before the anchor
             mask[b, 0, q, T + j * L : T + (j + 1) * L] = True  # its own block, both ways
             tgt = s.tokens[a + 1 : a + L]
+            if cfg.hard_labels == "target":  # row t of the soft labels predicts token t + 1
+                tgt = labels_b[0][a : a + len(tgt), 0].long()
             target_ids[b, j, : len(tgt)] = tgt
             labels[b, j, : len(tgt)] = t2d[tgt]
             par = t2d[s.tokens[a : a + L - 1]]  # slot k's parent is the true token at k - 1
@@ -239,6 +250,8 @@ class DraftVocab:
 
 
 def train_drafter(cfg: TrainConfig) -> Path:
+    if cfg.hard_labels not in HARD_LABELS:
+        raise ValueError(f"--hard-labels {cfg.hard_labels!r}: one of {', '.join(HARD_LABELS)}")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     out = Path(cfg.out)

@@ -1,0 +1,95 @@
+"""Prefill-only data: the written-answers corpus, a feature dir of one source, target labels."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from presto_sd.app.training import written
+from presto_sd.app.training.features import materialize
+from presto_sd.app.training.gen_data import load_shards
+from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
+from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard
+from presto_sd.app.training.train_drafter import DraftVocab, TrainConfig, make_batch, train_drafter
+from presto_sd.app.training.written import WrittenConfig, item_source, write_written_corpus, written_shard
+from presto_sd.models.loading import load_target
+
+
+def test_item_sources_follow_the_plans_ids():
+    assert [item_source(i) for i in ("code/12", "arith/7", "GAlxmQy_0/1")] == ["code", "arith", "sharegpt"]
+
+
+def test_a_written_shard_keeps_the_answered_items_ended_and_cut_as_generation_cuts():
+    shard = IdShard(("c/1", "code/3", "c/5"), ((1, 2), (3,), (4,)), ((9, 2), (8, 2), (7,)))
+    answers = {"c/1": "ab", "c/5": "abcdef"}
+    got = written_shard(shard, answers, lambda text: [ord(ch) for ch in text], eos_id=2, max_new_tokens=4)
+    assert got.item_ids == ("c/1", "c/5") and got.prompts == ((1, 2), (4,))
+    assert got.responses == ((97, 98, 2), (97, 98, 99, 100))  # the long answer cut, with no end token
+
+
+def test_the_written_corpus_mirrors_the_shards_resumes_and_refuses_another_corpus(
+        tiny_target_dir, tmp_path, monkeypatch):
+    src = Corpus(tmp_path / "regen")
+    src.open_plan({"max_new_tokens": 3, "seed": 0}, "tok")
+    for i in range(3):
+        src.write(i, IdShard((f"conv{i}/1", f"code/{i}"), ((1, 2), (3,)), ((4, 2), (5, 2))), {})
+    answers = {f"conv{i}/1": "Hello there, friend" for i in range(3)}
+    monkeypatch.setattr(written, "sharegpt_answers", lambda split: answers)
+    cfg = WrittenConfig(out=str(tmp_path / "written"), first_shard=1, corpus=str(src.root),
+                        target=str(tiny_target_dir))
+    out = Corpus(write_written_corpus(cfg))
+    assert out.indices() == [1, 2]
+    shard = out.read(1)
+    assert shard.item_ids == ("conv1/1",) and shard.prompts == ((1, 2),) and len(shard.responses[0]) == 3
+    before = out.shard_path(1).stat().st_mtime_ns
+    write_written_corpus(cfg)  # resumed: the shards there are kept
+    assert out.shard_path(1).stat().st_mtime_ns == before
+    other = Corpus(tmp_path / "other")
+    other.open_plan({"max_new_tokens": 3, "seed": 1}, "tok")
+    other.write(1, IdShard(("conv1/1",), ((1,),), ((2,),)), {})
+    with pytest.raises(CorpusError, match="another plan"):
+        write_written_corpus(WrittenConfig(out=str(tmp_path / "written"), corpus=str(other.root),
+                                           target=str(tiny_target_dir)))
+    with pytest.raises(CorpusError, match="no shard from 9"):
+        write_written_corpus(WrittenConfig(out=str(tmp_path / "w2"), first_shard=9, corpus=str(src.root),
+                                           target=str(tiny_target_dir)))
+
+
+def test_a_feature_dir_of_one_source_and_target_labels(tiny_target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRESTO_SD_CACHE", str(tmp_path / "cache"))
+    model, tok = load_target(str(tiny_target_dir), torch.device("cpu"), torch.float32)
+    corpus = grow_corpus(GrowConfig(corpus=str(tmp_path / "corpus"), target=str(tiny_target_dir),
+                                    sources="code,arith", n_code=4, n_arith=4, max_new_tokens=10,
+                                    batch_size=4, dtype="float32"), model, tok)
+    full = load_shards(materialize(corpus, tmp_path / "all", model, None, (0, 1), top_k=4))
+    arith = materialize(corpus, tmp_path / "arith", model, None, (0, 1), top_k=4, sources=("arith",))
+    kept = load_shards(arith)
+    ids = [i for k in Corpus(corpus).indices() for i in Corpus(corpus).read(k).item_ids]
+    want = [s for s, i in zip(full, ids) if i.startswith("arith/")]
+    assert len(kept) == len(want) == 4
+    for s, w in zip(kept, want):  # the same rows, copied out of the cached shard
+        assert torch.equal(s.tokens, w.tokens) and s.prompt_len == w.prompt_len
+        assert torch.equal(s.features, w.features) and torch.equal(s.soft_labels[0], w.soft_labels[0])
+
+    # answers someone else wrote: here every token shifted, so they are never the target's choice
+    other = [replace(s, tokens=(s.tokens + 1) % 49152) for s in kept[:2]]
+    t2d = DraftVocab(torch.arange(49152), 49152).t2d
+    base = dict(data=str(arith), out=str(tmp_path / "run"), target=str(tiny_target_dir), num_layers=1,
+                block_size=4, draft_vocab=0, anchors_per_seq=2, batch_seqs=2)
+    by_tokens = make_batch(other, TrainConfig(**base), t2d, random.Random(0))
+    by_target = make_batch(other, TrainConfig(**base, hard_labels="target"), t2d, random.Random(0))
+    block_ids, labels, labels_t = by_tokens[2], by_tokens[5], by_target[5]
+    assert torch.equal(block_ids, by_target[2])  # the same anchors: only the labels differ
+    assert not torch.equal(labels, labels_t)
+    for b, s in enumerate(other):
+        top1 = s.soft_labels[0][:, 0].long()
+        for j in range(2):
+            a = int(by_tokens[3][b, j * 4])  # the anchor's position
+            n = min(3, len(s.tokens) - a - 1)
+            assert torch.equal(labels[b, j, :n], s.tokens[a + 1 : a + 1 + n])
+            assert torch.equal(labels_t[b, j, :n], top1[a : a + n])  # row t predicts token t + 1
+    with pytest.raises(ValueError, match="--hard-labels 'mine'"):
+        train_drafter(TrainConfig(**base, hard_labels="mine"))
