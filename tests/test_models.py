@@ -35,6 +35,14 @@ def test_drafter_resolution(tmp_path):
     assert resolve_drafter(None, "some/other-target").path is None  # no shipped drafter for it
 
 
+def test_the_clis_torch_free_copies_of_engine_choices_are_the_engines():
+    from presto_sd.app.flags import DECODER_CHOICES, WEIGHTS_CHOICES
+    from presto_sd.embedded.target_runner import DECODERS
+    from presto_sd.models.quant import WEIGHTS
+
+    assert DECODER_CHOICES == DECODERS and WEIGHTS_CHOICES == WEIGHTS  # --help loads no torch
+
+
 def test_dtype_flag_is_the_same_on_every_command_and_parses_to_torch():
     from presto_sd.app.cli import build_parser
     from presto_sd.app.flags import DTYPE_CHOICES

@@ -15,7 +15,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("model dtype: auto = bf16 on a GPU, and on a CPU with native bf16 (AVX512-BF16/AMX) "
               "whose kernels are row-invariant (speculative output bitwise the engine's AR), else "
               "fp32; start-up says which and why (docs/benchmarks.md)")
-DECODER_CHOICES = ("auto", "owned", "transformers")
+DECODER_CHOICES = ("auto", "owned", "transformers")  # presto_sd.embedded.target_runner.DECODERS, torch-free
 DECODER_HELP = ("the verifier's forward: owned = presto-sd's own Llama/Qwen2/Qwen3 decoder "
                 "(presto_sd/models/llama.py), transformers = the model's own module tree with the "
                 "row-invariant linears swapped in; auto = owned where the target is of that family. "

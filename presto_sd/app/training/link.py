@@ -58,6 +58,11 @@ class LinkConfig:
     max_new_tokens: int = 128
     dtype: str = "bfloat16"  # the target's, for the features (float32 on a CPU without native bf16)
 
+    @property
+    def choose_on_file(self) -> bool:
+        """Are the choices made on a JSONL prompts file (else on a dataset's held-out split)?"""
+        return Path(self.choose_on).is_file()
+
 
 class LinkError(ValueError):
     """A link that cannot run as asked (a benchmark to choose on, no shards past its window)."""
@@ -105,7 +110,7 @@ def _check(cfg: LinkConfig) -> None:
     from presto_sd.app.flags import csv
     from presto_sd.app.training.token_corpus import Corpus
 
-    bench = sorted(set(csv(cfg.choose_on)) & BENCHMARKS) if not Path(cfg.choose_on).is_file() else []
+    bench = [] if cfg.choose_on_file else sorted(set(csv(cfg.choose_on)) & BENCHMARKS)
     if bench:
         raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
                         "choices are made on held-out prompts nothing trains or is judged on "
@@ -165,12 +170,11 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str) -
 
         from presto_sd.app.bench.cli import register
 
-        is_file = Path(cfg.choose_on).is_file()
         argv = ["bench", "--replay", "--drafter", str(drafter), "--methods", methods,
                 "--budgets", ",".join(map(str, cfg.budgets)), "--n", str(cfg.choose_n),
                 "--max-new-tokens", str(cfg.max_new_tokens), "--rho", rho, "--positions-top-k", "0",
                 "--no-progress", "--out", str(out),
-                *(["--prompts-file", cfg.choose_on, "--datasets", ""] if is_file else
+                *(["--prompts-file", cfg.choose_on, "--datasets", ""] if cfg.choose_on_file else
                   ["--datasets", cfg.choose_on]),
                 *(["--target", cfg.target] if cfg.target else [])]
         parser = argparse.ArgumentParser(prog="presto-sd")
