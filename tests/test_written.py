@@ -13,7 +13,7 @@ from presto_sd.app.training.features import materialize
 from presto_sd.app.training.gen_data import load_shards
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard
-from presto_sd.app.training.train_drafter import DraftVocab, TrainConfig, make_batch, train_drafter
+from presto_sd.app.training.train_drafter import DraftVocab, TrainConfig, make_batch, read_data, train_drafter
 from presto_sd.app.training.written import WrittenConfig, item_source, write_written_corpus, written_shard
 from presto_sd.models.loading import load_target
 
@@ -64,7 +64,8 @@ def test_a_feature_dir_of_one_source_and_target_labels(tiny_target_dir, tmp_path
     corpus = grow_corpus(GrowConfig(corpus=str(tmp_path / "corpus"), target=str(tiny_target_dir),
                                     sources="code,arith", n_code=4, n_arith=4, max_new_tokens=10,
                                     batch_size=4, dtype="float32"), model, tok)
-    full = load_shards(materialize(corpus, tmp_path / "all", model, None, (0, 1), top_k=4))
+    everything = materialize(corpus, tmp_path / "all", model, None, (0, 1), top_k=4)
+    full = load_shards(everything)
     arith = materialize(corpus, tmp_path / "arith", model, None, (0, 1), top_k=4, sources=("arith",))
     kept = load_shards(arith)
     ids = [i for k in Corpus(corpus).indices() for i in Corpus(corpus).read(k).item_ids]
@@ -73,6 +74,12 @@ def test_a_feature_dir_of_one_source_and_target_labels(tiny_target_dir, tmp_path
     for s, w in zip(kept, want):  # the same rows, copied out of the cached shard
         assert torch.equal(s.tokens, w.tokens) and s.prompt_len == w.prompt_len
         assert torch.equal(s.features, w.features) and torch.equal(s.soft_labels[0], w.soft_labels[0])
+
+    meta, both = read_data(f"{everything},{arith}")  # several dirs train one drafter
+    assert meta["sources"] == "all" and len(both) == len(full) + len(kept)
+    other_layers = materialize(corpus, tmp_path / "layer0", model, None, (0,), top_k=4)
+    with pytest.raises(ValueError, match="target layers"):
+        read_data(f"{arith},{other_layers}")
 
     # answers someone else wrote: here every token shifted, so they are never the target's choice
     other = [replace(s, tokens=(s.tokens + 1) % 49152) for s in kept[:2]]

@@ -89,7 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     dr = tsub.add_parser("drafter", help="train a DFlash drafter on gen-data shards (resumable)")
     _add_dataclass_args(dr, TrainConfig, skip=("data", "out"))
-    dr.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA), help="(default: %(default)s)")
+    dr.add_argument("--data", default=str(cache_dir() / DEFAULT_DATA),
+                    help="a `train features` dir, or several comma-separated (e.g. the corpus's and the "
+                         "written answers') (default: %(default)s)")
     dr.add_argument("--out", default="runs/drafter", help="(default: %(default)s)")
 
     ex = tsub.add_parser("export", help="a trained drafter checkpoint as a dir that ships: its weights in "

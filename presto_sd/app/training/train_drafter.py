@@ -249,6 +249,21 @@ class DraftVocab:
         self.t2d[d2t] = torch.arange(len(d2t))
 
 
+def read_data(data: str) -> tuple[dict, list[Sequence]]:
+    """``data``: one ``train features`` dir or several, comma-separated (e.g. the regenerated
+    corpus's and the written answers'): the first one's meta.json and every dir's sequences.
+    Dirs whose features come from other target layers cannot be mixed."""
+    dirs = [Path(d) for d in data.split(",") if d]
+    if not dirs:
+        raise ValueError("--data: no dir given")
+    metas = [json.loads((d / "meta.json").read_text()) for d in dirs]
+    for d, m in zip(dirs[1:], metas[1:]):
+        if m["target_layer_ids"] != metas[0]["target_layer_ids"]:
+            raise ValueError(f"--data: {d} has features of target layers {m['target_layer_ids']}, "
+                             f"{dirs[0]} of {metas[0]['target_layer_ids']}: they cannot train one drafter")
+    return metas[0], [s for d in dirs for s in load_shards(d)]
+
+
 def train_drafter(cfg: TrainConfig) -> Path:
     if cfg.hard_labels not in HARD_LABELS:
         raise ValueError(f"--hard-labels {cfg.hard_labels!r}: one of {', '.join(HARD_LABELS)}")
@@ -256,11 +271,10 @@ def train_drafter(cfg: TrainConfig) -> Path:
     rng = random.Random(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = json.loads((Path(cfg.data) / "meta.json").read_text())
+    meta, seqs = read_data(cfg.data)
     target, _ = load_target(cfg.target or meta.get("target"), torch.device("cpu"), torch.float32)
     dev = torch.device(cfg.device)
     embed = target.get_input_embeddings().weight.detach().to(dev)
-    seqs = load_shards(cfg.data)
     rng.shuffle(seqs)
     ckpt = out / "train_state.pt"
     state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
