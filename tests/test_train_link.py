@@ -97,3 +97,27 @@ def test_a_link_dir_resumes_only_with_its_own_settings(chain):
     run_link(link_config(chain, "settings", steps=5, choose_n=1))
     with pytest.raises(LinkError, match="other settings \\(lr, steps\\)"):
         run_link(link_config(chain, "settings", steps=6, lr=1e-3, choose_n=1))
+    # a dir made before a setting was added resumes: the missing key reads as its default
+    settings = chain[0] / "settings" / "link.json"
+    made = json.loads(settings.read_text())
+    del made["written"]
+    settings.write_text(json.dumps(made))
+    run_link(link_config(chain, "settings", steps=5, choose_n=1))
+
+
+def test_a_link_with_written_answers_trains_on_both_with_the_targets_labels(chain, monkeypatch):
+    from presto_sd.app.training import written
+    from presto_sd.app.training.token_corpus import Corpus
+
+    items = Corpus(chain[1]).read(1).item_ids  # the tiny corpus has no ShareGPT: answer its items
+    answers = {item: f"Here is my answer number {k}, written by hand." for k, item in enumerate(items[:3])}
+    monkeypatch.setattr(written, "sharegpt_answers", lambda split: answers)
+    run_link(link_config(chain, "written", steps=5, choose_n=1, written=True))
+    work = chain[0] / "written"
+    assert Corpus(work / "written-corpus").read(1).item_ids == tuple(answers)
+    meta = json.loads((work / "written-data" / "meta.json").read_text())
+    assert meta["shards"] == 1 and meta["prefilled_tokens"] > 0
+    report = json.loads((work / "run" / "drafter" / "training_report.json").read_text())
+    assert report["config"]["data"] == f"{work / 'data'},{work / 'written-data'}"
+    assert report["config"]["hard_labels"] == "target"
+    assert report["train_sequences"] + report["config"]["heldout_seqs"] == len(items) + len(answers)

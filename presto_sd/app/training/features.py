@@ -107,6 +107,8 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
     entries = corpus.manifest()["shards"]
     prefilled_tokens, prefill_s = 0, 0.0
     for i in tqdm(indices, desc="features", unit="shard", mininterval=10):
+        if entries[str(i)]["sequences"] == 0:  # a written corpus's shard with no ShareGPT item
+            continue
         cached = feature_cache_path(entries[str(i)]["sha256"], layer_ids, top_k, dtype)
         if not cached.exists():
             shard = corpus.read(i)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS
@@ -57,6 +57,9 @@ class LinkConfig:
     budgets: tuple[int, ...] = (4, 16)
     max_new_tokens: int = 128
     dtype: str = "bfloat16"  # the target's, for the features (float32 on a CPU without native bf16)
+    written: bool = field(default=False, metadata={
+        "help": "also train on the window's ShareGPT answers as their authors wrote them (prefill-only "
+                "data, `train written`: as much as a regenerated token, measured; docs/training.md)"})
 
     @property
     def choose_on_file(self) -> bool:
@@ -77,8 +80,7 @@ def run_link(cfg: LinkConfig) -> dict:
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     settings, asked = work / "link.json", _settings(cfg)
-    if settings.is_file() and (was := json.loads(settings.read_text())) != asked:
-        changed = sorted(k for k in asked if was.get(k) != asked[k])
+    if settings.is_file() and (changed := _changed(json.loads(settings.read_text()), asked)):
         raise LinkError(f"{work} holds a link made with other settings ({', '.join(changed)}): "
                         "give a new --work, or the same settings to resume it")
     if not settings.is_file():
@@ -86,6 +88,8 @@ def run_link(cfg: LinkConfig) -> dict:
     parent = Path(cfg.parent) if cfg.parent else DEFAULT_DRAFTER
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
+    if cfg.written:  # the window's ShareGPT items answered as written, beside the target's answers
+        data = f"{data},{_written_features(cfg, work, parent_config)}"
     candidate = work / "candidate"
     if not candidate.is_dir():  # exported beside it, then renamed: a dir there is a whole export
         from presto_sd.app.training.export import export_drafter
@@ -102,6 +106,13 @@ def run_link(cfg: LinkConfig) -> dict:
 
 def _settings(cfg: LinkConfig) -> dict:
     return {**asdict(cfg), "budgets": list(cfg.budgets)}  # as JSON reads it back
+
+
+def _changed(was: dict, asked: dict) -> list[str]:
+    """The settings a link dir was made with that differ from these; a setting added since
+    (absent from its link.json) reads as its default, so older dirs still resume."""
+    defaults = _settings(LinkConfig(work="", first_shard=0, shards=0))
+    return sorted(k for k in asked if was.get(k, defaults[k]) != asked[k])
 
 
 def _check(cfg: LinkConfig) -> None:
@@ -143,13 +154,24 @@ def _features(cfg: LinkConfig, out: Path, parent_config: dict) -> Path:
                        first_shard=cfg.first_shard)
 
 
-def _train(cfg: LinkConfig, data: Path, run: Path, parent: Path) -> Path:
+def _written_features(cfg: LinkConfig, work: Path, parent_config: dict) -> Path:
+    from presto_sd.app.training.written import WrittenConfig, write_written_corpus
+
+    written = write_written_corpus(WrittenConfig(
+        out=str(work / "written-corpus"), first_shard=cfg.first_shard, shards=cfg.shards, corpus=cfg.corpus,
+        target=cfg.target))
+    return _features(replace(cfg, corpus=str(written)), work / "written-data", parent_config)
+
+
+def _train(cfg: LinkConfig, data: Path | str, run: Path, parent: Path) -> Path:
     from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 
     return train_drafter(TrainConfig(
         data=str(data), out=str(run), target=cfg.target, steps=cfg.steps, lr=cfg.lr,
         soft_weight=cfg.soft_weight, ckpt_every=cfg.ckpt_every, init_drafter=str(parent), bf16=cfg.bf16,
-        grow_layers=cfg.grow_layers, batch_seqs=cfg.batch_seqs, heldout_seqs=cfg.heldout_seqs))
+        grow_layers=cfg.grow_layers, batch_seqs=cfg.batch_seqs, heldout_seqs=cfg.heldout_seqs,
+        # beside written answers the hard label is the target's own choice (for its answers the same)
+        hard_labels="target" if cfg.written else "tokens"))
 
 
 def _acceptance(cfg: LinkConfig, data: Path, candidate: Path, parent_config: dict) -> None:
