@@ -121,3 +121,12 @@ def test_a_link_with_written_answers_trains_on_both_with_the_targets_labels(chai
     assert report["config"]["data"] == f"{work / 'data'},{work / 'written-data'}"
     assert report["config"]["hard_labels"] == "target"
     assert report["train_sequences"] + report["config"]["heldout_seqs"] == len(items) + len(answers)
+    acceptance = json.loads((work / "candidate" / "acceptance_report.json").read_text())
+    assert acceptance["config"]["data"] == str(work / "data")  # the n-gram table: the target's own text
+
+
+def test_an_n_gram_table_from_no_shards_is_refused(tmp_path):
+    from presto_sd.app.training.acceptance import build_ngram_table
+
+    with pytest.raises(ValueError, match="no shards there"):  # e.g. several --data dirs named as one
+        build_ngram_table(f"{tmp_path / 'a'},{tmp_path / 'b'}", 3, 64)

@@ -78,8 +78,11 @@ def build_ngram_table(data_dir: str | Path, order: int, vocab_size: int) -> NGra
     """An n-gram LM of the target's own generated responses (gen-data shards)."""
     from presto_sd.app.training.gen_data import load_shards
 
+    seqs = load_shards(data_dir)
+    if not seqs:  # an empty table would score every tree by its marginals alone, silently
+        raise ValueError(f"the n-gram table's data {data_dir}: no shards there")
     table = NGramModel(order=order, vocab_size=vocab_size)
-    for s in load_shards(data_dir):
+    for s in seqs:
         toks = s.tokens.tolist()
         table.update(toks[s.prompt_len :], history=toks[: s.prompt_len])
     return table

@@ -88,16 +88,18 @@ def run_link(cfg: LinkConfig) -> dict:
     parent = Path(cfg.parent) if cfg.parent else DEFAULT_DRAFTER
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
+    train_data = str(data)
     if cfg.written:  # the window's ShareGPT items answered as written, beside the target's answers
-        data = f"{data},{_written_features(cfg, work, parent_config)}"
+        train_data += f",{_written_features(cfg, work, parent_config)}"
     candidate = work / "candidate"
     if not candidate.is_dir():  # exported beside it, then renamed: a dir there is a whole export
         from presto_sd.app.training.export import export_drafter
 
         staged = work / "candidate.export"
         shutil.rmtree(staged, ignore_errors=True)
-        export_drafter(_train(cfg, data, work / "run", parent), staged).rename(candidate)
+        export_drafter(_train(cfg, train_data, work / "run", parent), staged).rename(candidate)
     if not (candidate / DIGESTS_FILE).is_file():  # train_acceptance writes the digests last
+        # its n-gram table models the target's own text: the regenerated answers only
         _acceptance(cfg, data, candidate, parent_config)
     report = _choose(cfg, work / "choice", parent, candidate)
     (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -163,11 +165,11 @@ def _written_features(cfg: LinkConfig, work: Path, parent_config: dict) -> Path:
     return _features(replace(cfg, corpus=str(written)), work / "written-data", parent_config)
 
 
-def _train(cfg: LinkConfig, data: Path | str, run: Path, parent: Path) -> Path:
+def _train(cfg: LinkConfig, data: str, run: Path, parent: Path) -> Path:
     from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 
     return train_drafter(TrainConfig(
-        data=str(data), out=str(run), target=cfg.target, steps=cfg.steps, lr=cfg.lr,
+        data=data, out=str(run), target=cfg.target, steps=cfg.steps, lr=cfg.lr,
         soft_weight=cfg.soft_weight, ckpt_every=cfg.ckpt_every, init_drafter=str(parent), bf16=cfg.bf16,
         grow_layers=cfg.grow_layers, batch_seqs=cfg.batch_seqs, heldout_seqs=cfg.heldout_seqs,
         # beside written answers the hard label is the target's own choice (for its answers the same)
