@@ -59,7 +59,8 @@ class LinkConfig:
     dtype: str = "bfloat16"  # the target's, for the features (float32 on a CPU without native bf16)
     written: bool = field(default=False, metadata={
         "help": "also train on the window's ShareGPT answers as their authors wrote them (prefill-only "
-                "data, `train written`: as much as a regenerated token, measured; docs/training.md)"})
+                "data, `train written`; a step on them taught as much as one on regenerated answers, "
+                "from scratch at 0.37 M tokens: docs/training.md)"})
 
     @property
     def choose_on_file(self) -> bool:
