@@ -30,6 +30,27 @@ def test_a_written_shard_keeps_the_answered_items_ended_and_cut_as_generation_cu
     assert got.responses == ((97, 98, 2), (97, 98, 99, 100))  # the long answer cut, with no end token
 
 
+def test_code_items_asking_for_a_function_are_answered_by_its_own_source():
+    from presto_sd.app.training.corpus import CODE_WRITTEN_TEMPLATES, code_draws
+
+    draws = code_draws(12, seed=0)
+    answers = written.code_answers(12, seed=0)
+    asking = {f"code/{i}" for i, (_, t) in enumerate(draws) if t in CODE_WRITTEN_TEMPLATES}
+    assert answers and set(answers) <= asking
+    for item, text in answers.items():
+        (module, name, _, _), _ = draws[int(item.split("/")[1])]
+        assert text.startswith("```python\n") and text.endswith("\n```") and f"def {name}(" in text
+
+
+def test_a_written_answer_quoting_a_benchmark_prompt_is_dropped(monkeypatch):
+    from presto_sd.app.training import corpus
+
+    quoted = "Natalia sold clips to forty eight of her friends in April and then half as many in May"
+    monkeypatch.setattr(corpus, "benchmark_ngrams", lambda: corpus._ngrams(quoted, 13))
+    answers = {"a/1": f"You asked: {quoted}. So 72.", "b/1": "A different answer of many ordinary words " * 3}
+    assert written.decontaminated(answers) == {"b/1": answers["b/1"]}
+
+
 def test_the_written_corpus_mirrors_the_shards_resumes_and_refuses_another_corpus(
         tiny_target_dir, tmp_path, monkeypatch):
     src = Corpus(tmp_path / "regen")
@@ -53,6 +74,8 @@ def test_the_written_corpus_mirrors_the_shards_resumes_and_refuses_another_corpu
     with pytest.raises(CorpusError, match="another plan"):
         write_written_corpus(WrittenConfig(out=str(tmp_path / "written"), corpus=str(other.root),
                                            target=str(tiny_target_dir)))
+    with pytest.raises(ValueError, match="written answers come from"):
+        write_written_corpus(WrittenConfig(out=str(tmp_path / "w3"), corpus=str(src.root), sources="arith"))
     with pytest.raises(CorpusError, match="no shard from 9"):
         write_written_corpus(WrittenConfig(out=str(tmp_path / "w2"), first_shard=9, corpus=str(src.root),
                                            target=str(tiny_target_dir)))

@@ -107,19 +107,43 @@ def _walk_stdlib() -> list[tuple[str, str, str, str]]:
     return found
 
 
-def code_items(n: int, seed: int = 0) -> list[TrainingItem]:
-    """``n`` programming prompts about stdlib functions, templates chosen by ``seed``."""
+# the templates whose answer is the function itself: its own source is a written answer
+CODE_WRITTEN_TEMPLATES = (0, 1, 3)
+
+
+def code_draws(n: int, seed: int = 0) -> list[tuple[tuple[str, str, str, str], int]]:
+    """Item ``code/i``'s stdlib function and template index, for ``i < n`` (``code_items``'s draws)."""
     funcs = stdlib_functions()
     if not funcs or n <= 0:
         return []
     rng = random.Random(seed)
+    return [(funcs[i % len(funcs)], rng.randrange(len(_CODE_TEMPLATES))) for i in range(n)]
+
+
+def code_items(n: int, seed: int = 0) -> list[TrainingItem]:
+    """``n`` programming prompts about stdlib functions, templates chosen by ``seed``."""
     out = []
-    for i in range(n):
-        module, name, sig, doc = funcs[i % len(funcs)]
-        template = _CODE_TEMPLATES[rng.randrange(len(_CODE_TEMPLATES))]
-        text = template.format(name=name, sig=sig, doc=doc, module=module, qual=f"{module}.{name}")
+    for i, ((module, name, sig, doc), t) in enumerate(code_draws(n, seed)):
+        text = _CODE_TEMPLATES[t].format(name=name, sig=sig, doc=doc, module=module, qual=f"{module}.{name}")
         out.append(TrainingItem(f"code/{i}", "code", ({"role": "user", "content": text},)))
     return out
+
+
+def stdlib_sources(functions: list[tuple[str, str]]) -> list[str | None]:
+    """The source of each ``(module, name)`` stdlib function (None where it has none), read in a
+    child interpreter as ``stdlib_functions`` walks them."""
+    code = ("import importlib, inspect, json, sys, warnings\n"
+            "warnings.simplefilter('ignore')\n"
+            "out = []\n"
+            "for m, n in json.loads(sys.stdin.read()):\n"
+            "    try:\n"
+            "        out.append(inspect.getsource(getattr(importlib.import_module(m), n)))\n"
+            "    except Exception:\n"
+            "        out.append(None)\n"
+            "print(json.dumps(out))")
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(functions), capture_output=True,
+                          text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 _NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivan", "Jia", "Kofi", "Lena",
@@ -212,4 +236,9 @@ def benchmark_ngrams(n: int = DECONTAMINATION_N) -> set[int]:
 
 def is_contaminated(item: TrainingItem, grams: set[int], n: int = DECONTAMINATION_N) -> bool:
     """Whether any word n-gram of the item's messages is one of a benchmark prompt's."""
-    return not grams.isdisjoint(_ngrams(" ".join(m["content"] for m in item.messages), n))
+    return text_is_contaminated(" ".join(m["content"] for m in item.messages), grams, n)
+
+
+def text_is_contaminated(text: str, grams: set[int], n: int = DECONTAMINATION_N) -> bool:
+    """Whether any word n-gram of ``text`` is one of a benchmark prompt's (``benchmark_ngrams``)."""
+    return not grams.isdisjoint(_ngrams(text, n))

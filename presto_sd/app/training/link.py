@@ -58,9 +58,10 @@ class LinkConfig:
     max_new_tokens: int = 128
     dtype: str = "bfloat16"  # the target's, for the features (float32 on a CPU without native bf16)
     written: bool = field(default=False, metadata={
-        "help": "also train on the window's ShareGPT answers as their authors wrote them (prefill-only "
-                "data, `train written`; a step on them taught as much as one on regenerated answers, "
-                "from scratch at 0.37 M tokens: docs/training.md)"})
+        "help": "also train on the window's items answered as written (ShareGPT's answers, the stdlib's "
+                "own source for code items: prefill-only data, `train written`; a step on ShareGPT's "
+                "taught as much as one on regenerated answers, from scratch at 0.37 M tokens: "
+                "docs/training.md)"})
 
     @property
     def choose_on_file(self) -> bool:
@@ -90,7 +91,7 @@ def run_link(cfg: LinkConfig) -> dict:
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
     train_data = str(data)
-    if cfg.written:  # the window's ShareGPT items answered as written, beside the target's answers
+    if cfg.written:  # the window's items answered as written, beside the target's answers
         train_data += f",{_written_features(cfg, work, parent_config)}"
     candidate = work / "candidate"
     if not candidate.is_dir():  # exported beside it, then renamed: a dir there is a whole export

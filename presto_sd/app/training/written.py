@@ -7,8 +7,10 @@ written there is in that same prefill: its distribution at every position (the s
 labels), whose top-1 is the hard label (``train drafter --hard-labels target``).
 
 ``write_written_corpus`` makes, for a window of the repo corpus's shards, a corpus of the
-same format whose shard ``i`` holds the written answers of shard ``i``'s ShareGPT items
-(code and arithmetic items have no written answer and are left out). The two corpora are
+same format whose shard ``i`` holds the written answers of shard ``i``'s items that have
+one: a ShareGPT item's assistant turn, and a code item that asks for a stdlib function
+(write it, complete it, re-implement it) the function's own source. Arithmetic items, and
+code items that ask for an explanation or tests, have none and are left out. The two corpora are
 then the same prompts answered two ways: trained on each (the regenerated one restricted
 to the same items: ``train features --sources sharegpt``), their replays say what a written
 token is worth against a regenerated one (docs/training.md, "Written answers").
@@ -25,7 +27,7 @@ from tqdm import tqdm
 
 from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard, made_by
 
-WRITTEN_SOURCE = "sharegpt"  # the one source with answers written by someone else
+WRITTEN_SOURCES = ("sharegpt", "code")  # the plan's sources with answers written by someone else
 
 
 def item_source(item_id: str) -> str:
@@ -40,6 +42,26 @@ def sharegpt_answers(split: str = "train") -> dict[str, str]:
 
     return {f"{conv.id}/{k}": text for conv in load_sharegpt_conversations(split)
             for k, (role, text) in enumerate(conv.turns) if role == "assistant"}
+
+
+def code_answers(n_code: int, seed: int) -> dict[str, str]:
+    """The plan's code items whose answer is a stdlib function, each answered by its source."""
+    from presto_sd.app.training.corpus import CODE_WRITTEN_TEMPLATES, code_draws, stdlib_sources
+
+    draws = [(i, (module, name)) for i, ((module, name, _, _), t) in enumerate(code_draws(n_code, seed))
+             if t in CODE_WRITTEN_TEMPLATES]
+    functions = sorted({f for _, f in draws})
+    source = dict(zip(functions, stdlib_sources(functions)))
+    return {f"code/{i}": f"```python\n{source[f].rstrip()}\n```" for i, f in draws if source[f]}
+
+
+def decontaminated(answers: dict[str, str]) -> dict[str, str]:
+    """The answers that share no 13-word n-gram with any benchmark prompt (the rule the plan's
+    prompts passed): a written answer may quote what its user pasted."""
+    from presto_sd.app.training.corpus import benchmark_ngrams, text_is_contaminated
+
+    grams = benchmark_ngrams()
+    return {item: text for item, text in answers.items() if not text_is_contaminated(text, grams)}
 
 
 def written_shard(shard: IdShard, answers: dict[str, str], encode: Callable[[str], list[int]], eos_id: int,
@@ -63,6 +85,8 @@ class WrittenConfig:
     shards: int = field(default=0, metadata={"help": "shards to mirror (0: every one from --first-shard)"})
     corpus: str = field(default="corpus/smollm2-135m", metadata={"help": "the regenerated corpus it mirrors"})
     target: str | None = field(default=None, metadata={"help": "the tokenizer's model dir; none: SmolLM2"})
+    sources: str = field(default=",".join(WRITTEN_SOURCES), metadata={
+        "help": "the plan sources whose written answers it holds, comma-separated"})
 
 
 def write_written_corpus(cfg: WrittenConfig) -> Path:
@@ -70,6 +94,9 @@ def write_written_corpus(cfg: WrittenConfig) -> Path:
     shards already there are kept (resumable), a folder made from another corpus is refused."""
     from presto_sd.models.loading import load_tokenizer
 
+    sources = [x.strip() for x in cfg.sources.split(",") if x.strip()]
+    if not sources or set(sources) - set(WRITTEN_SOURCES):
+        raise ValueError(f"--sources {cfg.sources!r}: written answers come from {', '.join(WRITTEN_SOURCES)}")
     src = Corpus(cfg.corpus)
     manifest = src.manifest()
     if manifest.get("plan_key") is None:
@@ -78,11 +105,15 @@ def write_written_corpus(cfg: WrittenConfig) -> Path:
     if not indices:
         raise CorpusError(f"{cfg.corpus} has no shard from {cfg.first_shard} on")
     tok = load_tokenizer(cfg.target)
-    max_new = manifest["plan_key"]["max_new_tokens"]
+    max_new = manifest["plan_key"]["max_new_tokens"]  # as generation cut the regenerated answers
+    plan = manifest["plan_key"]
     out = Corpus(cfg.out)
-    out.open_plan({"written_from": manifest["plan_key"], "source": WRITTEN_SOURCE, "max_new_tokens": max_new},
+    out.open_plan({"written_from": plan, "sources": sources, "max_new_tokens": max_new},
                   manifest["tokenizer"])
-    answers = sharegpt_answers("train")
+    answers = {**(sharegpt_answers("train") if "sharegpt" in sources else {}),
+               **(code_answers(plan["n_code"], plan["seed"])
+                  if "code" in sources and "code" in plan.get("sources", "").split(",") else {})}
+    answers = decontaminated(answers)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     if not isinstance(eos, int) or eos == tok.unk_token_id:
         eos = tok.eos_token_id
