@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from presto_sd.app.training import written
+from presto_sd.app.training.corpus import item_source
 from presto_sd.app.training.features import materialize
 from presto_sd.app.training.gen_data import load_shards
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard
 from presto_sd.app.training.train_drafter import DraftVocab, TrainConfig, make_batch, read_data, train_drafter
-from presto_sd.app.training.written import WrittenConfig, item_source, write_written_corpus, written_shard
+from presto_sd.app.training.written import WrittenConfig, write_written_corpus, written_shard
 from presto_sd.models.loading import load_target
 
 

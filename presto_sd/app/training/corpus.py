@@ -33,6 +33,13 @@ class TrainingItem:
     messages: tuple[dict[str, str], ...]
 
 
+def item_source(item_id: str) -> str:
+    """The source of an item id as this module makes them (``code/12``, ``arith/7``; ShareGPT's
+    ``conversation/turn``)."""
+    head = item_id.split("/", 1)[0]
+    return head if head in ("code", "arith") else "sharegpt"
+
+
 def sharegpt_turn_items(split: str = "train") -> list[TrainingItem]:
     """One item per assistant turn of every ShareGPT conversation of ``split``.
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from presto_sd.app.training.corpus import item_source
 from presto_sd.app.training.token_corpus import Corpus, IdShard
-from presto_sd.app.training.written import item_source
 from presto_sd.models.cache import cache_dir
 
 SOFT_TOP_K = 16

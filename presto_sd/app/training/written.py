@@ -30,12 +30,6 @@ from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard, ma
 WRITTEN_SOURCES = ("sharegpt", "code")  # the plan's sources with answers written by someone else
 
 
-def item_source(item_id: str) -> str:
-    """The plan source an item id comes from (``code/12``, ``arith/7``; ShareGPT's ``conv/turn``)."""
-    head = item_id.split("/", 1)[0]
-    return head if head in ("code", "arith") else "sharegpt"
-
-
 def sharegpt_answers(split: str = "train") -> dict[str, str]:
     """Every assistant turn of ``split`` as written, by the item id the plan gives its prompt."""
     from presto_sd.app.datasets import load_sharegpt_conversations
@@ -105,8 +99,8 @@ def write_written_corpus(cfg: WrittenConfig) -> Path:
     if not indices:
         raise CorpusError(f"{cfg.corpus} has no shard from {cfg.first_shard} on")
     tok = load_tokenizer(cfg.target)
-    max_new = manifest["plan_key"]["max_new_tokens"]  # as generation cut the regenerated answers
     plan = manifest["plan_key"]
+    max_new = plan["max_new_tokens"]  # as generation cut the regenerated answers
     out = Corpus(cfg.out)
     out.open_plan({"written_from": plan, "sources": sources, "max_new_tokens": max_new},
                   manifest["tokenizer"])
@@ -114,9 +108,7 @@ def write_written_corpus(cfg: WrittenConfig) -> Path:
                **(code_answers(plan["n_code"], plan["seed"])
                   if "code" in sources and "code" in plan.get("sources", "").split(",") else {})}
     answers = decontaminated(answers)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    if not isinstance(eos, int) or eos == tok.unk_token_id:
-        eos = tok.eos_token_id
+    eos = tok.eos_token_id  # what ends a regenerated answer (gen_data stops on it)
 
     def encode(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
