@@ -14,7 +14,14 @@ from presto_sd.app.training.features import materialize
 from presto_sd.app.training.gen_data import load_shards
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard
-from presto_sd.app.training.train_drafter import DraftVocab, TrainConfig, make_batch, read_data, train_drafter
+from presto_sd.app.training.train_drafter import (
+    DraftVocab,
+    TrainConfig,
+    build_draft_vocab,
+    make_batch,
+    read_data,
+    train_drafter,
+)
 from presto_sd.app.training.written import WrittenConfig, write_written_corpus, written_shard
 from presto_sd.models.loading import load_target
 
@@ -124,3 +131,13 @@ def test_a_feature_dir_of_one_source_and_target_labels(tiny_target_dir, tmp_path
             assert torch.equal(labels_t[b, j, :n], top1[a : a + n])  # row t predicts token t + 1
     with pytest.raises(ValueError, match="--hard-labels 'mine'"):
         train_drafter(TrainConfig(**base, hard_labels="mine"))
+
+    # the draft map holds what the CE will ask for: the target's labels, not the written tokens
+    target_labels = {t for s in other
+                     for t in s.soft_labels[0][s.prompt_len - 1 : len(s.tokens) - 1, 0].tolist()}
+    written_tokens = {t for s in other for t in s.tokens[s.prompt_len :].tolist()}
+    assert not written_tokens <= target_labels
+    size = len(target_labels | written_tokens) + 1  # room for every label and eos
+    assert set(build_draft_vocab(other, len(target_labels) + 1, 49152, [2], "target").tolist()) \
+        == target_labels | {2}
+    assert set(build_draft_vocab(other, size, 49152, [2]).tolist()) == written_tokens | {2}
