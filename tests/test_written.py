@@ -83,7 +83,7 @@ def test_the_written_corpus_mirrors_the_shards_resumes_and_refuses_another_corpu
         write_written_corpus(WrittenConfig(out=str(tmp_path / "written"), corpus=str(other.root),
                                            target=str(tiny_target_dir)))
     with pytest.raises(ValueError, match="written answers come from"):
-        write_written_corpus(WrittenConfig(out=str(tmp_path / "w3"), corpus=str(src.root), sources="arith"))
+        write_written_corpus(WrittenConfig(out=str(tmp_path / "w3"), corpus=str(src.root), sources="sharegpt,tests"))
     with pytest.raises(CorpusError, match="no shard from 9"):
         write_written_corpus(WrittenConfig(out=str(tmp_path / "w2"), first_shard=9, corpus=str(src.root),
                                            target=str(tiny_target_dir)))
@@ -141,3 +141,47 @@ def test_a_feature_dir_of_one_source_and_target_labels(tiny_target_dir, tmp_path
     assert set(build_draft_vocab(other, len(target_labels) + 1, 49152, [2], "target").tolist()) \
         == target_labels | {2}
     assert set(build_draft_vocab(other, size, 49152, [2]).tolist()) == written_tokens | {2}
+
+
+def test_arithmetic_worked_solutions_are_right_step_by_step_and_leave_the_plan_unchanged():
+    import hashlib
+    import json
+    import re
+
+    from presto_sd.app.training.corpus import arithmetic_items, arithmetic_solutions
+
+    items = arithmetic_items(6000, seed=0)
+    # the committed corpus was generated from these prompts: adding solutions must not move them
+    digest = hashlib.sha256(json.dumps([(it.id, it.messages) for it in items]).encode()).hexdigest()
+    assert digest == "f484e42430b22eb1d5b0bafb2aca62b2a4f23de8ea99dd4c0b507be751c73471"
+    solutions = arithmetic_solutions(6000, seed=0)
+    assert set(solutions) == {it.id for it in items}
+    ops = {"×": "*", "÷": "/", "+": "+", "−": "-"}
+    equation = re.compile(r"(\d+(?:\.\d+)?(?: [×÷+−] \d+(?:\.\d+)?)+) = \$?(\d+(?:\.\d+)?)")
+    checked = answered = 0
+    for text in solutions.values():
+        answered += "**Answer: " in text
+        for lhs, rhs in equation.findall(text):
+            value = eval("".join(ops.get(ch, ch) for ch in lhs.replace(" ", "")))  # digits and + - * / only
+            assert abs(value - float(rhs)) <= 0.03, (lhs, rhs, text)  # a part is rounded to cents
+            checked += 1
+    assert checked > 15_000 and answered > 5_500  # the rest say which numbers do not fit
+
+
+def test_the_written_corpus_answers_arithmetic_only_when_asked(tiny_target_dir, tmp_path):
+    from presto_sd.app.training.corpus import arithmetic_solutions
+
+    src = Corpus(tmp_path / "regen")
+    src.open_plan({"max_new_tokens": 400, "seed": 0, "n_arith": 4, "sources": "arith"}, "tok")
+    src.write(0, IdShard(("arith/1", "arith/3"), ((1, 2), (3,)), ((4, 2), (5, 2))), {})
+    base = dict(corpus=str(src.root), target=str(tiny_target_dir))
+    assert not Corpus(write_written_corpus(WrittenConfig(out=str(tmp_path / "w"), **base))).indices() or \
+        not Corpus(tmp_path / "w").read(0).item_ids  # by default arithmetic has no written answer
+    out = Corpus(write_written_corpus(WrittenConfig(out=str(tmp_path / "wa"), sources="arith", **base)))
+    shard = out.read(0)
+    assert shard.item_ids == ("arith/1", "arith/3")
+    from presto_sd.models.loading import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_target_dir))
+    want = tok(arithmetic_solutions(4, seed=0)["arith/3"], add_special_tokens=False)["input_ids"]
+    assert list(shard.responses[1]) == [*want, tok.eos_token_id]

@@ -83,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     from presto_sd.app.training.written import WrittenConfig
 
     wr = tsub.add_parser("written", help="a corpus of answers as written (ShareGPT's, the stdlib's own "
-                         "source for code prompts), mirroring the repo corpus's shards: prefill-only data "
+                         "source for code prompts, opt-in worked solutions for arithmetic), mirroring "
+                         "the repo corpus's shards: prefill-only data "
                          "(`train features --corpus` it, then `train drafter --hard-labels target`; "
                          "docs/training.md)")
     _add_dataclass_args(wr, WrittenConfig)

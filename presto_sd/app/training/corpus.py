@@ -160,7 +160,21 @@ _ITEMS = ("apples", "stickers", "marbles", "books", "cookies", "pencils", "stamp
 _PLACES = ("market", "school fair", "bakery", "bookshop", "garage sale", "farm stand")
 
 
-def _word_problem(rng: random.Random) -> str:
+def _num(x: float) -> str:
+    """A quantity as a worked solution writes it: 12, 7.5, 3.33."""
+    return str(int(x)) if float(x).is_integer() else f"{x:.2f}".rstrip("0")
+
+
+def _money(x: float) -> str:
+    return f"${int(x)}" if float(x).is_integer() else f"${x:.2f}"
+
+
+def _word_problem(rng: random.Random) -> tuple[str, str]:
+    """A word problem and its worked solution (each step an equation, the answer last).
+
+    The draws come first and in a fixed order: the problems are the plan's, so they must not
+    change when the solutions do.
+    """
     who, other = rng.sample(_NAMES, 2)
     item, place = rng.choice(_ITEMS), rng.choice(_PLACES)
     a, b, c, d = (rng.randint(2, 60) for _ in range(4))
@@ -168,42 +182,109 @@ def _word_problem(rng: random.Random) -> str:
     hours, rate = rng.randint(2, 12), rng.randint(8, 40)
     kind = rng.randrange(8)
     if kind == 0:
-        return (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
-                f"{d} {item} to {other}. How many {item} does {who} have now?")
-    if kind == 1:
-        return (f"At the {place}, {item} cost ${price} each. {who} buys {a} of them and pays with a "
-                f"${(a * price // 50 + 1) * 50} bill. How much change does {who} get?")
-    if kind == 2:
-        return (f"{who} earns ${rate} an hour and works {hours} hours a day for {c % 6 + 2} days. "
-                f"{who} spends {pct}% of the money on rent. How much money is left?")
-    if kind == 3:
-        return (f"{who} reads {a} pages on Monday, twice as many on Tuesday, and {d} fewer than on "
-                f"Tuesday on Wednesday. How many pages did {who} read in the three days?")
-    if kind == 4:
-        return (f"A {place} sold {a * 10} {item} last week. This week it sold {pct}% more. "
-                f"How many {item} did it sell over the two weeks?")
-    if kind == 5:
-        return (f"{who} and {other} share {a * b} {item} in the ratio {c % 5 + 1}:{d % 5 + 1}. "
-                f"How many {item} does each of them get?")
-    if kind == 6:
-        return (f"A train travels at {rate * 3} km per hour for {hours} hours, then at {rate * 2} km "
-                f"per hour for {c % 5 + 1} more hours. What is the total distance it travels?")
-    return (f"{who} is {a} years old. {other} is {b % 9 + 2} years older than {who}. In {c % 10 + 1} "
-            f"years, what will the sum of their ages be?")
+        got, have = b * c, a + b * c
+        steps = [f"{who} starts with {a} {item}.",
+                 f"{b} packs of {c} is {b} × {c} = {got} {item}, so {who} then has {a} + {got} = {have}."]
+        if d > have:
+            return (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
+                    f"{d} {item} to {other}. How many {item} does {who} have now?",
+                    "\n".join([*steps, f"{who} cannot give away {d}: that is {d} − {have} = {d - have} more "
+                                        f"than {who} has, so the numbers in the question do not fit."]))
+        steps.append(f"After giving {d} to {other}: {have} − {d} = {have - d}.")
+        answer = f"{have - d} {item}"
+        problem = (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
+                   f"{d} {item} to {other}. How many {item} does {who} have now?")
+    elif kind == 1:
+        bill, cost = (a * price // 50 + 1) * 50, a * price
+        steps = [f"{a} {item} at ${price} each cost {a} × {price} = ${cost}.",
+                 f"The change from a ${bill} bill is {bill} − {cost} = ${bill - cost}."]
+        answer = f"${bill - cost}"
+        problem = (f"At the {place}, {item} cost ${price} each. {who} buys {a} of them and pays with a "
+                   f"${bill} bill. How much change does {who} get?")
+    elif kind == 2:
+        days = c % 6 + 2
+        day, total = rate * hours, rate * hours * days
+        rent = total * pct / 100
+        steps = [f"In a day {who} earns {rate} × {hours} = ${day}.",
+                 f"Over {days} days that is {day} × {days} = ${total}.",
+                 f"Rent takes {pct}% of it: {total} × {pct} ÷ 100 = {_money(rent)}.",
+                 f"What is left: {total} − {_num(rent)} = {_money(total - rent)}."]
+        answer = _money(total - rent)
+        problem = (f"{who} earns ${rate} an hour and works {hours} hours a day for {days} days. "
+                   f"{who} spends {pct}% of the money on rent. How much money is left?")
+    elif kind == 3:
+        problem = (f"{who} reads {a} pages on Monday, twice as many on Tuesday, and {d} fewer than on "
+                   f"Tuesday on Wednesday. How many pages did {who} read in the three days?")
+        steps = [f"Monday: {a} pages.", f"Tuesday: twice as many, 2 × {a} = {2 * a} pages."]
+        if d > 2 * a:
+            return problem, "\n".join([*steps, f"Wednesday would be {d} fewer than {2 * a}, which is less "
+                                                f"than zero: the numbers in the question do not fit."])
+        steps += [f"Wednesday: {d} fewer than Tuesday, {2 * a} − {d} = {2 * a - d} pages.",
+                  f"In all: {a} + {2 * a} + {2 * a - d} = {5 * a - d} pages."]
+        answer = f"{5 * a - d} pages"
+    elif kind == 4:
+        last, more = a * 10, a * 10 * pct / 100
+        steps = [f"Last week: {last} {item}.",
+                 f"{pct}% more is {last} × {pct} ÷ 100 = {_num(more)} more, so this week it sold "
+                 f"{last} + {_num(more)} = {_num(last + more)}.",
+                 f"Over the two weeks: {last} + {_num(last + more)} = {_num(2 * last + more)} {item}."]
+        answer = f"{_num(2 * last + more)} {item}"
+        problem = (f"A {place} sold {last} {item} last week. This week it sold {pct}% more. "
+                   f"How many {item} did it sell over the two weeks?")
+    elif kind == 5:
+        total, r1, r2 = a * b, c % 5 + 1, d % 5 + 1
+        part = total / (r1 + r2)
+        steps = [f"The ratio {r1}:{r2} has {r1} + {r2} = {r1 + r2} parts.",
+                 f"One part is {total} ÷ {r1 + r2} = {_num(part)} {item}.",
+                 f"{who} gets {r1} × {_num(part)} = {_num(r1 * part)} and {other} gets "
+                 f"{r2} × {_num(part)} = {_num(r2 * part)}."]
+        answer = f"{who} {_num(r1 * part)}, {other} {_num(r2 * part)}"
+        problem = (f"{who} and {other} share {total} {item} in the ratio {r1}:{r2}. "
+                   f"How many {item} does each of them get?")
+    elif kind == 6:
+        more_hours = c % 5 + 1
+        first, second = rate * 3 * hours, rate * 2 * more_hours
+        steps = [f"First part: {rate * 3} × {hours} = {first} km.",
+                 f"Second part: {rate * 2} × {more_hours} = {second} km.",
+                 f"Total: {first} + {second} = {first + second} km."]
+        answer = f"{first + second} km"
+        problem = (f"A train travels at {rate * 3} km per hour for {hours} hours, then at {rate * 2} km "
+                   f"per hour for {more_hours} more hours. What is the total distance it travels?")
+    else:
+        gap, later = b % 9 + 2, c % 10 + 1
+        steps = [f"{other} is {a} + {gap} = {a + gap} years old.",
+                 f"In {later} years {who} will be {a} + {later} = {a + later} and {other} "
+                 f"{a + gap} + {later} = {a + gap + later}.",
+                 f"The sum: {a + later} + {a + gap + later} = {2 * a + gap + 2 * later}."]
+        answer = f"{2 * a + gap + 2 * later} years"
+        problem = (f"{who} is {a} years old. {other} is {gap} years older than {who}. In {later} "
+                   f"years, what will the sum of their ages be?")
+    return problem, "\n".join(steps) + f"\n\n**Answer: {answer}**"
 
 
 _ARITH_SUFFIXES = ("", " Explain your reasoning step by step.", " Show your work.",
                    " Give the final answer at the end.")
 
 
-def arithmetic_items(n: int, seed: int = 0) -> list[TrainingItem]:
-    """``n`` templated arithmetic word problems (a seeded generator; no benchmark text)."""
+def _arithmetic_draws(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """(problem, suffix, worked solution) of each of the ``n`` items, in the plan's order."""
     rng = random.Random(seed)
     out = []
-    for i in range(n):
-        text = _word_problem(rng) + rng.choice(_ARITH_SUFFIXES)
-        out.append(TrainingItem(f"arith/{i}", "arith", ({"role": "user", "content": text},)))
+    for _ in range(n):
+        problem, solution = _word_problem(rng)
+        out.append((problem, rng.choice(_ARITH_SUFFIXES), solution))
     return out
+
+
+def arithmetic_items(n: int, seed: int = 0) -> list[TrainingItem]:
+    """``n`` templated arithmetic word problems (a seeded generator; no benchmark text)."""
+    return [TrainingItem(f"arith/{i}", "arith", ({"role": "user", "content": problem + suffix},))
+            for i, (problem, suffix, _) in enumerate(_arithmetic_draws(n, seed))]
+
+
+def arithmetic_solutions(n: int, seed: int = 0) -> dict[str, str]:
+    """The worked solution of each of ``arithmetic_items(n, seed)``, by item id."""
+    return {f"arith/{i}": solution for i, (_, _, solution) in enumerate(_arithmetic_draws(n, seed))}
 
 
 def build_corpus(sources: tuple[str, ...], n_code: int, n_arith: int, seed: int = 0) -> list[TrainingItem]:

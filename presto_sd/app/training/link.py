@@ -26,6 +26,7 @@ from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
+from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES
 from presto_sd.models.assets import DIGESTS_FILE
 
 CHOICE_METHOD = "presto-best-first"  # the CLI default's builder: what a rho is chosen for
@@ -62,6 +63,9 @@ class LinkConfig:
                 "own source for code items: prefill-only data, `train written`; a step on ShareGPT's "
                 "taught as much as one on regenerated answers, from scratch at 0.37 M tokens: "
                 "docs/training.md)"})
+    written_sources: str = field(default=DEFAULT_WRITTEN_SOURCES, metadata={
+        "help": "with --written: the plan sources whose written answers it trains on (sharegpt, code, "
+                "arith: templated worked solutions, not yet measured)"})
 
     @property
     def choose_on_file(self) -> bool:
@@ -163,7 +167,7 @@ def _written_features(cfg: LinkConfig, work: Path, parent_config: dict) -> Path:
 
     written = write_written_corpus(WrittenConfig(
         out=str(work / "written-corpus"), first_shard=cfg.first_shard, shards=cfg.shards, corpus=cfg.corpus,
-        target=cfg.target))
+        target=cfg.target, sources=cfg.written_sources))
     return _features(replace(cfg, corpus=str(written)), work / "written-data", parent_config)
 
 

@@ -8,9 +8,10 @@ labels), whose top-1 is the hard label (``train drafter --hard-labels target``).
 
 ``write_written_corpus`` makes, for a window of the repo corpus's shards, a corpus of the
 same format whose shard ``i`` holds the written answers of shard ``i``'s items that have
-one: a ShareGPT item's assistant turn, and a code item that asks for a stdlib function
-(write it, complete it, re-implement it) the function's own source. Arithmetic items, and
-code items that ask for an explanation or tests, have none and are left out. The two corpora are
+one: a ShareGPT item's assistant turn, a code item that asks for a stdlib function
+(write it, complete it, re-implement it) the function's own source, and (opt-in, ``arith``)
+an arithmetic item the worked solution its template computes. Code items that ask for an
+explanation or tests have none and are left out. The two corpora are
 then the same prompts answered two ways: trained on each (the regenerated one restricted
 to the same items: ``train features --sources sharegpt``), their replays say what a written
 token is worth against a regenerated one (docs/training.md, "Written answers").
@@ -27,7 +28,9 @@ from tqdm import tqdm
 
 from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard, made_by
 
-WRITTEN_SOURCES = ("sharegpt", "code")  # the plan's sources with answers written by someone else
+WRITTEN_SOURCES = ("sharegpt", "code", "arith")  # the plan's sources with answers not the target's
+# arith's worked solutions are templated (corpus.arithmetic_solutions) and not yet measured: opt-in
+DEFAULT_WRITTEN_SOURCES = "sharegpt,code"
 
 
 def sharegpt_answers(split: str = "train") -> dict[str, str]:
@@ -79,13 +82,14 @@ class WrittenConfig:
     shards: int = field(default=0, metadata={"help": "shards to mirror (0: every one from --first-shard)"})
     corpus: str = field(default="corpus/smollm2-135m", metadata={"help": "the regenerated corpus it mirrors"})
     target: str | None = field(default=None, metadata={"help": "the tokenizer's model dir; none: SmolLM2"})
-    sources: str = field(default=",".join(WRITTEN_SOURCES), metadata={
+    sources: str = field(default=DEFAULT_WRITTEN_SOURCES, metadata={
         "help": "the plan sources whose written answers it holds, comma-separated"})
 
 
 def write_written_corpus(cfg: WrittenConfig) -> Path:
     """Shard ``i`` of ``cfg.out``: the written answers of shard ``i`` of ``cfg.corpus``;
     shards already there are kept (resumable), a folder made from another corpus is refused."""
+    from presto_sd.app.training.corpus import arithmetic_solutions
     from presto_sd.models.loading import load_tokenizer
 
     sources = [x.strip() for x in cfg.sources.split(",") if x.strip()]
@@ -104,9 +108,10 @@ def write_written_corpus(cfg: WrittenConfig) -> Path:
     out = Corpus(cfg.out)
     out.open_plan({"written_from": plan, "sources": sources, "max_new_tokens": max_new},
                   manifest["tokenizer"])
-    answers = {**(sharegpt_answers("train") if "sharegpt" in sources else {}),
-               **(code_answers(plan["n_code"], plan["seed"])
-                  if "code" in sources and "code" in plan.get("sources", "").split(",") else {})}
+    wanted = set(sources) & {"sharegpt", *plan.get("sources", "").split(",")}  # the made-up items: if planned
+    answers = {**(sharegpt_answers("train") if "sharegpt" in wanted else {}),
+               **(code_answers(plan["n_code"], plan["seed"]) if "code" in wanted else {}),
+               **(arithmetic_solutions(plan["n_arith"], plan["seed"]) if "arith" in wanted else {})}
     answers = decontaminated(answers)
     eos = tok.eos_token_id  # what ends a regenerated answer (gen_data stops on it)
 
