@@ -83,7 +83,8 @@ def test_the_written_corpus_mirrors_the_shards_resumes_and_refuses_another_corpu
         write_written_corpus(WrittenConfig(out=str(tmp_path / "written"), corpus=str(other.root),
                                            target=str(tiny_target_dir)))
     with pytest.raises(ValueError, match="written answers come from"):
-        write_written_corpus(WrittenConfig(out=str(tmp_path / "w3"), corpus=str(src.root), sources="sharegpt,tests"))
+        write_written_corpus(WrittenConfig(out=str(tmp_path / "w3"), corpus=str(src.root),
+                                           sources="sharegpt,tests"))
     with pytest.raises(CorpusError, match="no shard from 9"):
         write_written_corpus(WrittenConfig(out=str(tmp_path / "w2"), first_shard=9, corpus=str(src.root),
                                            target=str(tiny_target_dir)))
@@ -98,6 +99,14 @@ def test_a_feature_dir_of_one_source_and_target_labels(tiny_target_dir, tmp_path
     everything = materialize(corpus, tmp_path / "all", model, None, (0, 1), top_k=4)
     full = load_shards(everything)
     arith = materialize(corpus, tmp_path / "arith", model, None, (0, 1), top_k=4, sources=("arith",))
+    kept = load_shards(arith)
+    copy = next(arith.glob("shard_*.safetensors"))
+    made = copy.stat().st_mtime_ns
+    materialize(corpus, arith, model, None, (0, 1), top_k=4, sources=("arith",))
+    assert copy.stat().st_mtime_ns == made  # the copy is kept, not rewritten on every call
+    materialize(corpus, arith, model, None, (0, 1), top_k=4, sources=("code",))
+    assert copy.stat().st_mtime_ns != made and len(load_shards(arith)) == 4  # other sources: new copies
+    materialize(corpus, arith, model, None, (0, 1), top_k=4, sources=("arith",))
     kept = load_shards(arith)
     ids = [i for k in Corpus(corpus).indices() for i in Corpus(corpus).read(k).item_ids]
     want = [s for s, i in zip(full, ids) if i.startswith("arith/")]

@@ -120,11 +120,15 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
             save_file(tensors, tmp, metadata={"ids": json.dumps(list(shard.item_ids))})
             tmp.rename(cached)
         link = out / f"shard_{i:05d}.safetensors"
-        link.unlink(missing_ok=True)
-        if sources:
-            tensors, metadata = subset_rows(cached, sources)
-            save_file(tensors, link, metadata=metadata)
+        if sources:  # a copy of the rows, kept while it is the copy of this cached shard
+            origin = f"{cached.name} {','.join(sources)}"
+            if _copied_from(link) != origin:
+                tensors, metadata = subset_rows(cached, sources)
+                tmp = link.with_suffix(".tmp")
+                save_file(tensors, tmp, metadata={**metadata, "copied_from": origin})
+                tmp.replace(link)
         else:
+            link.unlink(missing_ok=True)
             link.symlink_to(cached)
     meta = {"target": target, "target_layer_ids": list(layer_ids), "top_k": top_k,
             "dtype": str(dtype).removeprefix("torch."), "corpus": str(corpus_dir), "shards": len(indices),
@@ -133,6 +137,14 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
             "prefill_tokens_per_s": round(prefilled_tokens / prefill_s, 1) if prefill_s else None}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def _copied_from(path: Path) -> str | None:
+    """The cached shard and sources a copy of rows was made from (None: no copy there, or a link)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    with safe_open(path, "pt") as f:
+        return (f.metadata() or {}).get("copied_from")
 
 
 def subset_rows(path: Path, sources: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
