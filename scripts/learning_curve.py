@@ -127,13 +127,14 @@ def plot() -> Path:
     import matplotlib.ticker
 
     rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 5.6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 6.6))
     panels = (("position-1 top-1", lambda r, ds: r["top1"][ds]),
               ("linear tau", lambda r, ds: r["tau"]["linear"][ds]),
               ("marginal tau @ 16", lambda r, ds: r["tau"]["marginal@16"][ds]))
     for ax, (title, get) in zip(axes, panels):
         def recipe_of(r: dict) -> tuple:  # a warm point (a parent's data + new) is a recipe apart
-            return r["steps"], r["soft_weight"], bool(r.get("warm_from")), r.get("marker", "")
+            return (r["steps"], r["soft_weight"], bool(r.get("warm_from")), r.get("marker", ""),
+                    bool(r.get("written")))
 
         recipes = sorted({recipe_of(r) for r in rows})
         # one marker per warm recipe; a row may name its own (later points, so earlier ones keep theirs)
@@ -147,29 +148,30 @@ def plot() -> Path:
                         warm_marks.get(recipe, "o-"), markersize=11 if recipe[2] else 6,
                         color=f"C{i}", alpha=0.5 + 0.5 * recipe[1],
                         label=f"{ds} ({'warm start, +' if recipe[2] else ''}steps {recipe[0]}, "
-                              f"soft {recipe[1]:g})")
+                              f"soft {recipe[1]:g}{', + written answers' if recipe[4] else ''})")
         shipped = [r for r in rows if r["size"] == 0]
         for r in shipped:  # the shipped drafter, as a reference line per set
             for i, ds in enumerate(("gsm8k", "humaneval", "mtbench")):
                 ax.axhline(get(r, ds), color=f"C{i}", ls=":", lw=1)
         ax.set_xscale("log")
-        ticks = [0.25, 0.5, 1, 2, 4, 6]  # plain labels: log-scale minor labels overprint each other
+        ticks = [0.25, 0.5, 1, 2, 4, 8]  # plain labels: log-scale minor labels overprint each other
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("corpus response tokens (M)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
     fig.suptitle("drafter learning curve (replay, 8 prompts a set, 128 tokens; dotted: the drafter shipped "
                  "until 2026-12-05 morning, size 0 in the data);\nwarm starts, each from the one before: "
                  "stars, 2000 steps on 1.1 M more tokens (noon); plus signs, 4000 steps, a 16k vocabulary, "
                  "bf16 training (afternoon);\ncrosses, 4500 steps, +0.22 M tokens (17:50); diamonds, grown "
                  "to 3 layers, 3000 steps on 1.34 M new tokens (21:10), then 3000 more on 0.97 M (23:30),\n"
-                 "then 3000 more on 0.87 M (2026-12-06 05:00); "
+                 "then 3000 more on 0.87 M (2026-12-06 05:00); hexagon: 3000 more on 0.92 M new regenerated "
+                 "+ 0.77 M written tokens (12:00; x counts both);\n"
                  "the warm starts' replays are bf16 on an AMD EPYC, the others fp32 on an Intel AMX",
                  fontsize=9)
-    fig.tight_layout(rect=(0, 0.2, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.24, 1, 0.9))
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=110)
     return PLOT
