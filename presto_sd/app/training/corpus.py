@@ -182,18 +182,17 @@ def _word_problem(rng: random.Random) -> tuple[str, str]:
     hours, rate = rng.randint(2, 12), rng.randint(8, 40)
     kind = rng.randrange(8)
     if kind == 0:
+        problem = (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
+                   f"{d} {item} to {other}. How many {item} does {who} have now?")
         got, have = b * c, a + b * c
         steps = [f"{who} starts with {a} {item}.",
                  f"{b} packs of {c} is {b} × {c} = {got} {item}, so {who} then has {a} + {got} = {have}."]
         if d > have:
-            return (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
-                    f"{d} {item} to {other}. How many {item} does {who} have now?",
-                    "\n".join([*steps, f"{who} cannot give away {d}: that is {d} − {have} = {d - have} more "
-                                        f"than {who} has, so the numbers in the question do not fit."]))
+            return problem, "\n".join([*steps, f"{who} cannot give away {d}: that is {d} − {have} = "
+                                                f"{d - have} more than {who} has, so the numbers in the "
+                                                f"question do not fit."])
         steps.append(f"After giving {d} to {other}: {have} − {d} = {have - d}.")
         answer = f"{have - d} {item}"
-        problem = (f"{who} has {a} {item}. {who} buys {b} packs with {c} {item} in each pack, then gives "
-                   f"{d} {item} to {other}. How many {item} does {who} have now?")
     elif kind == 1:
         bill, cost = (a * price // 50 + 1) * 50, a * price
         steps = [f"{a} {item} at ${price} each cost {a} × {price} = ${cost}.",
