@@ -19,6 +19,17 @@ from presto_sd.models.loading import random_drafter_config
 torch.set_num_threads(1)  # tiny models: threads cost more than they give, and CI has 2 cores
 
 
+@pytest.fixture
+def two_threads():
+    """torch on 2 intra-op threads inside the test, as the engine runs on CI's 2 cores: the
+    suite's 1 thread hides any result that depends on how a call is split across threads
+    (``invariant._sdpa_rows``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_llama(vocab: int = 16, kv_heads: int = 2, layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
     """A random Llama with grouped-query attention (4 heads over ``kv_heads`` KV heads)."""
     torch.manual_seed(seed)

@@ -143,7 +143,7 @@ def test_stop_strings(tiny_target):
 
 
 @pytest.mark.smollm2
-def test_smollm2_greedy_equals_ar():
+def test_smollm2_greedy_equals_ar(two_threads):
     """Once on the real target: SmolLM2-135M-Instruct, a few chat prompts, 32 tokens, in fp32
     against transformers' own ``generate`` (bf16 is held to the engine's own AR, bitwise:
     ``test_invariance.py``)."""

@@ -16,9 +16,9 @@ cache); ``HFVerifier.warm_compiled`` compiles every AR one at load.
 
 Nothing of the engine's arithmetic changes, by construction, and each graph proves it: the
 linears, the rows' mean square (RMSNorm's statistic: inductor sums in its own order) and the
-eager attention kernel (its softmax) are opaque ops in the graph (``invariant._linear_op``,
-``quant._int4_mm_op``, ``llama._mean_square_op``, ``invariant._row_attention_op``); SDPA is an
-ATen call there as eager; RoPE's cos/sin come from eager (inductor's vectorized cos rounds its
+decode rows' attention (the eager kernel's softmax; SDPA's one-thread scope) are opaque ops in
+the graph (``invariant._linear_op``, ``quant._int4_mm_op``, ``llama._mean_square_op``,
+``invariant._row_attention_op``); RoPE's cos/sin come from eager (inductor's vectorized cos rounds its
 own way); inductor rounds every intermediate to its dtype where eager does
 (``emulate_precision_casts``); and the first call of every plan shape runs both, compiled
 then eager (so the KV entries end as eager wrote them), and keeps the graph for that shape

@@ -17,9 +17,9 @@ shapes):
   ``W = key_width(L)`` (the row's ``L`` visible keys rounded up to ``KEY_BLOCK``), the
   rest masked. A tree node reads its keys gathered (committed prefix, then its own
   ancestors): the same values at the same offsets as the AR step at its position, which
-  reads them contiguous in place. Its kernel: torch's fused SDPA where a probe finds its
-  rows agree (``pick_attention_kernel``: bf16 here), else the eager ops (fp32 here: the
-  fused kernel's fp32 rows change with the batch).
+  reads them contiguous in place. Its kernel: torch's fused SDPA on one intra-op thread
+  (on two, a row's result depends on which thread the call's batch gives it) where a probe
+  finds its rows agree (``pick_attention_kernel``: fp32 and bf16 here), else the eager ops.
 
 RMSNorm, RoPE, the residual adds and the MLP's elementwise ops are per-row already.
 """
@@ -232,8 +232,20 @@ def _eager_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, v
 def _sdpa_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                scaling: float) -> torch.Tensor:
     # torch's fused CPU kernel (flash, fp32 accumulation): one call for the matmuls, the mask
-    # and the softmax; ~2x the eager ops' speed at decode shapes (bf16, 2 cores)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[..., None, :], scale=scaling)
+    # and the softmax; ~2x the eager ops' speed at decode shapes (bf16, 2 cores). On ONE
+    # intra-op thread: the kernel computes a (row, KV head) unit a little differently on
+    # each OpenMP thread (its per-thread scratch), and which thread gets a unit depends on
+    # how many units the call holds. Measured on a 2-vCPU EPYC: 1 % of fp32 outputs differ
+    # between threads, ~1e-7 of bf16 ones after rounding (rare, but it broke a bf16 greedy
+    # run at a near tie: docs/benchmarks.md); on one thread none, in 10 M.
+    mask, threads = visible[..., None, :], torch.get_num_threads()
+    if threads == 1:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    torch.set_num_threads(1)  # the calling thread's OpenMP setting (and MKL's, thread-local)
+    try:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # candidates, fastest first: the first whose rows agree at the model's shapes is used
@@ -252,9 +264,9 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     The masked keys get weight exactly 0; they must hold finite values (0 * NaN is NaN).
     """
-    if kernel == "eager" and torch.compiler.is_compiling():
-        # opaque in a compiled graph: inductor's softmax sums its own way (SDPA's fused
-        # kernel is an ATen call there as it is eager)
+    if torch.compiler.is_compiling():
+        # opaque in a compiled graph: inductor's softmax sums its own way, and SDPA's
+        # one-thread scope is not traceable
         return _row_attention_op(query, keys, values, visible, scaling, kernel)
     return ATTENTION_KERNELS[kernel](query, keys, values, visible, scaling)
 
@@ -281,7 +293,15 @@ def attention_rows_agree(kernel: str, kv_heads: int, group: int, head_dim: int, 
     """Does every row of ``kernel``'s ``row_attention`` come out the same in every call size
     of ``ATTENTION_PROBE_ROWS``, in both batch layouts (rows first: AR steps; KV heads first:
     a tree's nodes), whatever its masked keys hold, at each of ``ATTENTION_PROBE_WIDTHS``?
-    (Random data, a row seeing a random number of its keys.)"""
+    (Random data, a row seeing a random number of its keys.) A reduced dtype is probed in
+    fp32 too: its rounding hides most of a kernel's row variance (torch's SDPA on two
+    threads: ~1 % of fp32 outputs differed, ~1e-7 of bf16 ones, which this probe missed)."""
+    dtypes = (dtype,) if dtype == torch.float32 else (torch.float32, dtype)
+    return all(_attention_rows_agree_in(kernel, kv_heads, group, head_dim, d, device) for d in dtypes)
+
+
+def _attention_rows_agree_in(kernel: str, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
+                             device: torch.device | str) -> bool:
     g = torch.Generator().manual_seed(0)
     r, scaling = max(ATTENTION_PROBE_ROWS), head_dim**-0.5
     with torch.inference_mode():
