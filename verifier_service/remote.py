@@ -64,8 +64,9 @@ class RemoteVerifier(Verifier):
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
         restart: bool = False,
+        decoded: int = 0,
     ) -> PrefillResult:
-        call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+        call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart, decoded)
         request = wire.prefill_call_to_pb(call)
         return wire.prefill_result_from_pb(self.rpc.call(self.stub.Prefill, request, self.prefill_timeout_s))
 

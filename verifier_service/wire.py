@@ -105,13 +105,15 @@ def verify_call_from_pb(msg: pb.VerifyRequest, max_nodes: int | None = None) -> 
 
 def prefill_call_to_pb(c: PrefillCall) -> pb.VerifierPrefillRequest:
     return pb.VerifierPrefillRequest(session_id=c.session_id, token_ids=c.token_ids,
-                                     sampling=sampling_to_pb(c.sampling), anchor=c.anchor, restart=c.restart)
+                                     sampling=sampling_to_pb(c.sampling), anchor=c.anchor, restart=c.restart,
+                                     decoded=c.decoded)
 
 
 def prefill_call_from_pb(msg: pb.VerifierPrefillRequest) -> PrefillCall:
     sampling = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else PrefillCall.sampling
     anchor = msg.anchor if msg.HasField("anchor") else None
-    return PrefillCall(session_id_from(msg.session_id), tuple(msg.token_ids), sampling, anchor, msg.restart)
+    return PrefillCall(session_id_from(msg.session_id), tuple(msg.token_ids), sampling, anchor, msg.restart,
+                       msg.decoded)
 
 
 # -- VerifyBatch: per item, its result or its own status ---------------------------------

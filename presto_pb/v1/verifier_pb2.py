@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from presto_pb.v1 import common_pb2 as presto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18presto/v1/verifier.proto\x12\tpresto.v1\x1a\x16presto/v1/common.proto\"\x9d\x01\n\x16VerifierPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.presto.v1.SamplingParams\x12\x13\n\x06\x61nchor\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07restart\x18\x05 \x01(\x08\x42\t\n\x07_anchor\"_\n\x17VerifierPrefillResponse\x12\x0e\n\x06\x61nchor\x18\x01 \x01(\x05\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\x03\"t\n\rVerifyRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.presto.v1.TokenTree\x12\x17\n\x0fwant_node_probs\x18\x03 \x01(\x08\"r\n\x12VerifyBatchRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.presto.v1.VerifyRequest\x12\x33\n\x08prefills\x18\x02 \x03(\x0b\x32!.presto.v1.VerifierPrefillRequest\"0\n\x0fVerifyItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"v\n\x0fVerifyBatchItem\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.presto.v1.VerifyResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.presto.v1.VerifyItemErrorH\x00\x42\t\n\x07outcome\"\x80\x01\n\x10PrefillBatchItem\x12\x34\n\x06result\x18\x01 \x01(\x0b\x32\".presto.v1.VerifierPrefillResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.presto.v1.VerifyItemErrorH\x00\x42\t\n\x07outcome\"o\n\x13VerifyBatchResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.presto.v1.VerifyBatchItem\x12-\n\x08prefills\x18\x02 \x03(\x0b\x32\x1b.presto.v1.PrefillBatchItem\"E\n\x0bStepRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12\x0e\n\x06\x61nchor\x18\x02 \x01(\x05\"\xa6\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\x12\x0c\n\x04\x62\x61se\x18\x04 \x01(\x03\x12%\n\nnode_probs\x18\x05 \x01(\x0b\x32\x11.presto.v1.Tensor\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x06 \x03(\x05\"k\n\x0eVerifierLimits\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x03 \x01(\x05\x12\x16\n\x0emax_tree_depth\x18\x04 \x01(\x05\"\xe0\x02\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10target_layer_ids\x18\x06 \x03(\x05\x12)\n\x06limits\x18\x07 \x01(\x0b\x32\x19.presto.v1.VerifierLimits\x12 \n\x04\x63ost\x18\x08 \x01(\x0b\x32\x12.presto.v1.CostFit\x12#\n\x06memory\x18\t \x01(\x0b\x32\x13.presto.v1.KVMemory\x12\x15\n\rrow_invariant\x18\n \x01(\x08\x12\x0f\n\x07\x64\x65\x63oder\x18\x0b \x01(\t\x12\x0f\n\x07weights\x18\x0c \x01(\t\x12\x18\n\x10\x61ttention_kernel\x18\r \x01(\t\x12\x18\n\x10self_draft_block\x18\x0e \x01(\x05\x32\xa0\x03\n\x0fVerifierService\x12P\n\x07Prefill\x12!.presto.v1.VerifierPrefillRequest\x1a\".presto.v1.VerifierPrefillResponse\x12=\n\x06Verify\x12\x18.presto.v1.VerifyRequest\x1a\x19.presto.v1.VerifyResponse\x12L\n\x0bVerifyBatch\x12\x1d.presto.v1.VerifyBatchRequest\x1a\x1e.presto.v1.VerifyBatchResponse\x12\x39\n\x04Step\x12\x16.presto.v1.StepRequest\x1a\x19.presto.v1.VerifyResponse\x12:\n\x05\x43lose\x12\x17.presto.v1.CloseRequest\x1a\x18.presto.v1.CloseResponse\x12\x37\n\x04Info\x12\x16.presto.v1.InfoRequest\x1a\x17.presto.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18presto/v1/verifier.proto\x12\tpresto.v1\x1a\x16presto/v1/common.proto\"\xae\x01\n\x16VerifierPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.presto.v1.SamplingParams\x12\x13\n\x06\x61nchor\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07restart\x18\x05 \x01(\x08\x12\x0f\n\x07\x64\x65\x63oded\x18\x06 \x01(\rB\t\n\x07_anchor\"_\n\x17VerifierPrefillResponse\x12\x0e\n\x06\x61nchor\x18\x01 \x01(\x05\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\x03\"t\n\rVerifyRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.presto.v1.TokenTree\x12\x17\n\x0fwant_node_probs\x18\x03 \x01(\x08\"r\n\x12VerifyBatchRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.presto.v1.VerifyRequest\x12\x33\n\x08prefills\x18\x02 \x03(\x0b\x32!.presto.v1.VerifierPrefillRequest\"0\n\x0fVerifyItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"v\n\x0fVerifyBatchItem\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.presto.v1.VerifyResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.presto.v1.VerifyItemErrorH\x00\x42\t\n\x07outcome\"\x80\x01\n\x10PrefillBatchItem\x12\x34\n\x06result\x18\x01 \x01(\x0b\x32\".presto.v1.VerifierPrefillResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.presto.v1.VerifyItemErrorH\x00\x42\t\n\x07outcome\"o\n\x13VerifyBatchResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.presto.v1.VerifyBatchItem\x12-\n\x08prefills\x18\x02 \x03(\x0b\x32\x1b.presto.v1.PrefillBatchItem\"E\n\x0bStepRequest\x12&\n\x07session\x18\x01 \x01(\x0b\x32\x15.presto.v1.SessionRef\x12\x0e\n\x06\x61nchor\x18\x02 \x01(\x05\"\xa6\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x17.presto.v1.FeatureDelta\x12\x0c\n\x04\x62\x61se\x18\x04 \x01(\x03\x12%\n\nnode_probs\x18\x05 \x01(\x0b\x32\x11.presto.v1.Tensor\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x06 \x03(\x05\"k\n\x0eVerifierLimits\x12\x14\n\x0cmax_sessions\x18\x01 \x01(\x05\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x03 \x01(\x05\x12\x16\n\x0emax_tree_depth\x18\x04 \x01(\x05\"\xe0\x02\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10target_layer_ids\x18\x06 \x03(\x05\x12)\n\x06limits\x18\x07 \x01(\x0b\x32\x19.presto.v1.VerifierLimits\x12 \n\x04\x63ost\x18\x08 \x01(\x0b\x32\x12.presto.v1.CostFit\x12#\n\x06memory\x18\t \x01(\x0b\x32\x13.presto.v1.KVMemory\x12\x15\n\rrow_invariant\x18\n \x01(\x08\x12\x0f\n\x07\x64\x65\x63oder\x18\x0b \x01(\t\x12\x0f\n\x07weights\x18\x0c \x01(\t\x12\x18\n\x10\x61ttention_kernel\x18\r \x01(\t\x12\x18\n\x10self_draft_block\x18\x0e \x01(\x05\x32\xa0\x03\n\x0fVerifierService\x12P\n\x07Prefill\x12!.presto.v1.VerifierPrefillRequest\x1a\".presto.v1.VerifierPrefillResponse\x12=\n\x06Verify\x12\x18.presto.v1.VerifyRequest\x1a\x19.presto.v1.VerifyResponse\x12L\n\x0bVerifyBatch\x12\x1d.presto.v1.VerifyBatchRequest\x1a\x1e.presto.v1.VerifyBatchResponse\x12\x39\n\x04Step\x12\x16.presto.v1.StepRequest\x1a\x19.presto.v1.VerifyResponse\x12:\n\x05\x43lose\x12\x17.presto.v1.CloseRequest\x1a\x18.presto.v1.CloseResponse\x12\x37\n\x04Info\x12\x16.presto.v1.InfoRequest\x1a\x17.presto.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'presto.v1.verifier_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFIERPREFILLREQUEST']._serialized_start=64
-  _globals['_VERIFIERPREFILLREQUEST']._serialized_end=221
-  _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=223
-  _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=318
-  _globals['_VERIFYREQUEST']._serialized_start=320
-  _globals['_VERIFYREQUEST']._serialized_end=436
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=438
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=552
-  _globals['_VERIFYITEMERROR']._serialized_start=554
-  _globals['_VERIFYITEMERROR']._serialized_end=602
-  _globals['_VERIFYBATCHITEM']._serialized_start=604
-  _globals['_VERIFYBATCHITEM']._serialized_end=722
-  _globals['_PREFILLBATCHITEM']._serialized_start=725
-  _globals['_PREFILLBATCHITEM']._serialized_end=853
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=855
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=966
-  _globals['_STEPREQUEST']._serialized_start=968
-  _globals['_STEPREQUEST']._serialized_end=1037
-  _globals['_VERIFYRESPONSE']._serialized_start=1040
-  _globals['_VERIFYRESPONSE']._serialized_end=1206
-  _globals['_VERIFIERLIMITS']._serialized_start=1208
-  _globals['_VERIFIERLIMITS']._serialized_end=1315
-  _globals['_VERIFIERINFO']._serialized_start=1318
-  _globals['_VERIFIERINFO']._serialized_end=1670
-  _globals['_VERIFIERSERVICE']._serialized_start=1673
-  _globals['_VERIFIERSERVICE']._serialized_end=2089
+  _globals['_VERIFIERPREFILLREQUEST']._serialized_end=238
+  _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=240
+  _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=335
+  _globals['_VERIFYREQUEST']._serialized_start=337
+  _globals['_VERIFYREQUEST']._serialized_end=453
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=455
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=569
+  _globals['_VERIFYITEMERROR']._serialized_start=571
+  _globals['_VERIFYITEMERROR']._serialized_end=619
+  _globals['_VERIFYBATCHITEM']._serialized_start=621
+  _globals['_VERIFYBATCHITEM']._serialized_end=739
+  _globals['_PREFILLBATCHITEM']._serialized_start=742
+  _globals['_PREFILLBATCHITEM']._serialized_end=870
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=872
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=983
+  _globals['_STEPREQUEST']._serialized_start=985
+  _globals['_STEPREQUEST']._serialized_end=1054
+  _globals['_VERIFYRESPONSE']._serialized_start=1057
+  _globals['_VERIFYRESPONSE']._serialized_end=1223
+  _globals['_VERIFIERLIMITS']._serialized_start=1225
+  _globals['_VERIFIERLIMITS']._serialized_end=1332
+  _globals['_VERIFIERINFO']._serialized_start=1335
+  _globals['_VERIFIERINFO']._serialized_end=1687
+  _globals['_VERIFIERSERVICE']._serialized_start=1690
+  _globals['_VERIFIERSERVICE']._serialized_end=2106
 # @@protoc_insertion_point(module_scope)

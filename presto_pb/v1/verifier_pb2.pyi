@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "anchor", "restart")
+    __slots__ = ("session_id", "token_ids", "sampling", "anchor", "restart", "decoded")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     anchor: int
     restart: bool
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., anchor: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
+    decoded: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., anchor: _Optional[int] = ..., restart: _Optional[bool] = ..., decoded: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("anchor", "delta", "base")

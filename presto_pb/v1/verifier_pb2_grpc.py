@@ -74,7 +74,9 @@ class VerifierServiceServicer:
         """Open a session on a prompt (`restart`: replace the caller's open session of that id;
         without it an open id is ALREADY_EXISTS). With `anchor` (re-prefill after a verifier
         restart) that already-emitted token becomes the pending anchor instead of a new draw.
-        A long prompt runs in chunks; other sessions' calls run between them.
+        A long prompt runs in chunks; other sessions' calls run between them. `decoded`: the
+        last tokens were the session's output (a re-prefill, a resumed stream): computed as the
+        AR steps that decoded them, so the session goes on bitwise as the unbroken one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -223,8 +223,9 @@ class HFVerifier(Verifier):
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
         restart: bool = False,
+        decoded: int = 0,
     ) -> PrefillResult:
-        steps = self.prefill_steps(session_id, token_ids, sampling, anchor, restart)
+        steps = self.prefill_steps(session_id, token_ids, sampling, anchor, restart, decoded)
         while True:  # every chunk at once
             try:
                 next(steps)
@@ -239,6 +240,7 @@ class HFVerifier(Verifier):
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
         restart: bool = False,
+        decoded: int = 0,
     ) -> Generator[None, None, PrefillResult]:
         """``prefill``, one chunk a step: it yields between chunks and returns the result.
 
@@ -246,16 +248,16 @@ class HFVerifier(Verifier):
         forward; the session opens only after the last chunk, so a generator closed early
         (a deadline, a cancelled call) leaves the table as it was.
         """
-        check_prompt(token_ids, anchor, self.vocab_size, self.limits.max_context)
+        check_prompt(token_ids, anchor, self.vocab_size, self.limits.max_context, decoded)
         seat = self._seat(session_id, len(token_ids), restart)
         try:
             kv, feats = self.kv_store.session(), []
-            for hidden, f in self.runner.prefill_chunks(kv, token_ids, self.prefill_chunk):
+            for hidden, f, done in self.runner.prefill_chunks(kv, token_ids, self.prefill_chunk, decoded):
                 last = hidden[-1]
                 feats.append(f)
-                if len(feats) * self.prefill_chunk < len(token_ids):
+                if done < len(token_ids):
                     yield  # between chunks: the engine may run other sessions' calls
-            call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+            call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart, decoded)
             session, result = self._new_session(call, kv, self.runner.logits(last),
                                                 torch.cat(feats) if len(feats) > 1 else feats[0])
             self.sessions.open(seat, session)
@@ -316,7 +318,8 @@ class HFVerifier(Verifier):
     @torch.inference_mode()
     def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
         """Every valid call in ONE target forward: each tree (an AR step is a root-only
-        tree), and each new session's prompt (``PrefillCall``, run whole, not chunked).
+        tree), and each new session's prompt (``PrefillCall``, run whole, not chunked; its
+        ``decoded`` output after the forward, as chains).
 
         Each call is checked as ``verify`` / ``prefill`` check it, and a session named twice
         is refused the second time (INVALID_ARGUMENT); a refused call gets its error in its
@@ -346,7 +349,8 @@ class HFVerifier(Verifier):
                             f"{MAX_INVARIANT_ROWS} whose kernels were probed row-invariant: send it again"
                         )
                     if isinstance(c, PrefillCall):
-                        check_prompt(c.token_ids, c.anchor, self.vocab_size, self.limits.max_context)
+                        check_prompt(c.token_ids, c.anchor, self.vocab_size, self.limits.max_context,
+                                     c.decoded)
                         prompts.append((j, self._seat(c.session_id, len(c.token_ids), c.restart, pending)))
                     else:
                         s = self._check(c)
@@ -398,10 +402,11 @@ class HFVerifier(Verifier):
                         positions.append(c.base + c.tree.depths[u] + j)
             n = len(input_ids) - start
             segments.append(Segment(s.kv, start, n, None if n == 1 else tuple(paths)))
-        for c, _ in prompts:  # a new session's prompt: causal, from position 0
-            segments.append(Segment(self.kv_store.session(), len(input_ids), len(c.token_ids)))
-            input_ids += c.token_ids
-            positions += range(len(c.token_ids))
+        for c, _ in prompts:  # a new session's prompt: causal, from position 0 (its decoded tail after)
+            n = len(c.token_ids) - c.decoded
+            segments.append(Segment(self.kv_store.session(), len(input_ids), n))
+            input_ids += c.token_ids[:n]
+            positions += range(n)
         rngs = [s.generator.get_state() for s, _ in items]
         try:
             hidden, feats = self.runner.forward(segments, input_ids, positions, mask_rows)
@@ -427,6 +432,10 @@ class HFVerifier(Verifier):
                 seg.kv.keep(range(seg.n))
                 # its own copy: a view would keep (and pickle, to a Ray driver) the whole batch's
                 prompt_feats = feats[seg.start : seg.start + seg.n].clone()
+                if c.decoded:  # a re-prefill's output: as the AR steps computed it, after the prompt
+                    pieces = list(self.runner.decoded_chains(seg.kv, c.token_ids, seg.n, self.prefill_chunk))
+                    last = self.runner.logits(pieces[-1][0][-1])
+                    prompt_feats = torch.cat([prompt_feats, *(f for _, f, _ in pieces)])
                 opened.append((seat, *self._new_session(c, seg.kv, last, prompt_feats)))
             results: list[VerifyResult | PrefillResult] = []
             for (s, c), (walk, node_probs, f, drafted) in zip(items, walked):

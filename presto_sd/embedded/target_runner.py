@@ -24,6 +24,7 @@ from presto_sd.models.invariant import (
     attention_shape,
     install_invariant_linears,
     invariant_linear,
+    key_width,
     pick_attention_kernel,
     pick_linear_kernel,
 )
@@ -33,6 +34,8 @@ from presto_sd.models.self_draft import SelfDraftAdapter
 from presto_sd.models.session_kv import SessionKV
 
 DECODERS = ("auto", "owned", "transformers")
+# a decoded chain's forward gathers each row's keys: rows x key width stays under this
+CHAIN_KEYS = 1 << 16
 
 
 class TargetRunner:
@@ -123,17 +126,42 @@ class TargetRunner:
         bias = None if bias is None else bias.to(w.dtype)
         return invariant_linear(hidden.to(w.dtype), w, bias, self.head_kernel or "aten").float()
 
-    def prefill_chunks(self, kv: SessionKV, token_ids: Sequence[int],
-                       chunk: int) -> Generator[tuple[torch.Tensor, torch.Tensor]]:
+    def prefill_chunks(self, kv: SessionKV, token_ids: Sequence[int], chunk: int,
+                       decoded: int = 0) -> Generator[tuple[torch.Tensor, torch.Tensor, int]]:
         """A prompt's forward ``chunk`` tokens at a time, each after the positions the earlier
-        ones committed (as AR decoding builds them): yields each chunk's (final hidden
-        states, features), its KV committed."""
+        ones committed (as AR decoding builds them): yields each piece's (final hidden
+        states, features, tokens done), its KV committed. The last ``decoded`` tokens (a
+        session's output, fed again) go as chains, each node the row its AR step computed
+        (``decode_chain``), not as a chunk: a chunk's attention rounds its own way."""
         token_ids = list(token_ids)
-        for start in range(0, len(token_ids), chunk):
-            ids = token_ids[start : start + chunk]
+        prompt = len(token_ids) - decoded
+        for start in range(0, prompt, chunk):
+            ids = token_ids[start : min(start + chunk, prompt)]
             hidden, f = self.forward([Segment(kv, 0, len(ids))], ids, range(start, start + len(ids)))
             kv.keep(range(len(ids)))
-            yield hidden, f
+            yield hidden, f, start + len(ids)
+        yield from self.decoded_chains(kv, token_ids, prompt, chunk)
+
+    def decoded_chains(self, kv: SessionKV, token_ids: Sequence[int], start: int,
+                       chunk: int) -> Generator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """``token_ids[start:]`` (a session's decoded output; ``kv`` holds the ``start`` before
+        them) as chains of up to ``chunk`` rows (``decode_chain``): yields as ``prefill_chunks``."""
+        while start < len(token_ids):
+            n = min(chunk, len(token_ids) - start)
+            while n > 1 and n * key_width(start + n) > CHAIN_KEYS:  # its gathered keys stay small
+                n //= 2
+            hidden, f = self.decode_chain(kv, token_ids[start : start + n])
+            start += n
+            yield hidden, f, start
+
+    def decode_chain(self, kv: SessionKV, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_ids`` after ``kv``'s committed positions, as one tree that is a chain: every
+        row bitwise the AR step that computes it (the tree rows' contract), committed."""
+        n, length = len(token_ids), kv.length
+        paths = tuple(tuple(range(i + 1)) for i in range(n))
+        hidden, f = self.forward([Segment(kv, 0, n, paths)], list(token_ids), range(length, length + n))
+        kv.keep(range(n))
+        return hidden, f
 
     def next_token_logits(self, kv: SessionKV, prompt: Sequence[int],
                           continuations: Sequence[Sequence[int]], chunk: int) -> torch.Tensor:
@@ -144,7 +172,7 @@ class TargetRunner:
         rows: that is what makes every method lossless)."""
         if not prompt:
             raise ValueError("next_token_logits: an empty prompt (the law starts after a prefill)")
-        for hidden, _ in self.prefill_chunks(kv, prompt, chunk):
+        for hidden, _, _ in self.prefill_chunks(kv, prompt, chunk):
             last = hidden[-1]
         vocab = self.model.config.vocab_size
         out = torch.empty(len(continuations), vocab, dtype=torch.float32, device=self.device)

@@ -84,12 +84,13 @@ class Prefill:
 
     def run(self, engine: Verifier) -> PrefillResult:
         c = self.call
-        return engine.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart)
+        return engine.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart, c.decoded)
 
     def steps(self, engine: Any) -> Generator[None, None, PrefillResult]:
         """The same prefill one chunk a step, on an engine that can yield between chunks."""
         c = self.call
-        return engine.prefill_steps(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart)
+        return engine.prefill_steps(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart,
+                                    c.decoded)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ class PrefillCall:
     sampling: SamplingParams = SamplingParams()
     anchor: int | None = None
     restart: bool = False
+    decoded: int = 0  # the last ``decoded`` of ``token_ids`` were decoded, not prompt (``prefill``)
 
 
 BatchCall = VerifyCall | PrefillCall
@@ -141,11 +142,17 @@ class Verifier(ABC):
         sampling: SamplingParams = SamplingParams(),
         anchor: int | None = None,
         restart: bool = False,
+        decoded: int = 0,
     ) -> PrefillResult:
         """Start a session on ``token_ids`` (``restart``: replace the open one of that id).
 
         Without ``anchor`` the first token is drawn from the target; with it (re-prefill
         after a verifier restart) that already-emitted token becomes the pending anchor.
+        ``decoded``: how many of the last ``token_ids`` the session had decoded (a re-prefill's
+        committed output, a resumed stream's): they are computed as the AR steps that
+        decoded them, not as a prompt chunk, so the session goes on bitwise as the unbroken
+        one would (a chunk rounds its rows its own way; at a near tie greedy output parts).
+        0 <= decoded < len(token_ids) (else ``InvalidArgumentError``).
         An open id without ``restart`` is refused (``AlreadyExistsError``).
         """
 
@@ -170,7 +177,8 @@ class Verifier(ABC):
         for c in calls:
             try:
                 if isinstance(c, PrefillCall):
-                    out.append(self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart))
+                    out.append(self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart,
+                                            c.decoded))
                 else:
                     out.append(self.verify(c.session_id, c.base, c.tree, c.want_node_probs, c.chains))
             except EngineError as e:
@@ -211,11 +219,16 @@ class Verifier(ABC):
     def close(self, session_id: str) -> None: ...
 
 
-def check_prompt(token_ids: Sequence[int], anchor: int | None, vocab_size: int, max_context: int) -> None:
+def check_prompt(token_ids: Sequence[int], anchor: int | None, vocab_size: int, max_context: int,
+                 decoded: int = 0) -> None:
     """What a verifier checks of a prompt before it seats a session: not empty, every token
-    (and the anchor) in the vocabulary, room for the anchor inside the context."""
+    (and the anchor) in the vocabulary, room for the anchor inside the context, at least
+    one token of it prompt (``decoded``: the output after it)."""
     if not token_ids:
         raise InvalidArgumentError("prefill.token_ids: empty prompt")
+    if not 0 <= decoded < len(token_ids):
+        raise InvalidArgumentError(f"prefill.decoded = {decoded}: must be in [0, {len(token_ids)}) "
+                                   "(the output after a prompt of at least one token)")
     bad = next((t for t in [*token_ids, *([anchor] if anchor is not None else [])]
                 if not 0 <= t < vocab_size), None)
     if bad is not None:

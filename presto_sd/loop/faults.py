@@ -73,12 +73,15 @@ class VerifierSide:
 
     def prefill_call(self, session_id: str) -> PrefillCall:
         """The session's prefill: the prompt (and a resumed output, its last token the anchor),
-        or after a loss, every committed token with the pending anchor given."""
+        or after a loss, every committed token with the pending anchor given. The output
+        before the anchor goes as ``decoded``: the verifier computes it as the AR steps did,
+        so the stream goes on exactly as the unbroken one."""
         restart, self.tried = self.tried, True
         if self.opened or self.resume:
             tokens = self.tokens if self.opened else [*self.prompt, *self.resume]
             return PrefillCall(session_id, tuple(tokens[:-1]), self._resumed_sampling(len(tokens)),
-                               anchor=tokens[-1], restart=restart or self.opened)
+                               anchor=tokens[-1], restart=restart or self.opened,
+                               decoded=len(tokens) - 1 - len(self.prompt))
         return PrefillCall(session_id, self.prompt, self.sampling, restart=restart)
 
     @property

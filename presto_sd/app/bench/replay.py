@@ -114,7 +114,7 @@ class OracleVerifier(Verifier):
         return FeatureDelta(start, r.tokens[start:end], r.features[start:end])
 
     def prefill(self, session_id, token_ids, sampling=SamplingParams(), anchor=None,
-                restart=False) -> PrefillResult:
+                restart=False, decoded=0) -> PrefillResult:
         r = self.recording
         if sampling.temperature != 0:
             raise InvalidArgumentError("replay: greedy only (sampled acceptance is not deterministic)")
