@@ -97,3 +97,22 @@ def test_decoded_crosses_the_wire():
     msg = type(wire.prefill_call_to_pb(call)).FromString(wire.prefill_call_to_pb(call).SerializeToString())
     assert wire.prefill_call_from_pb(msg) == call
     assert wire.prefill_call_from_pb(wire.prefill_call_to_pb(PrefillCall("s", (1,)))).decoded == 0
+
+
+def test_a_batched_prompt_longer_than_a_chunk_is_chunked_as_prefill_chunks_it(tiny_target, two_threads):
+    """A scheduler may batch a prompt longer than the verifier's chunk (its max_prefill_tokens
+    set above prefill_chunk); a re-prefill of it runs in chunks. So the batch prefills it in
+    chunks too: the session's next row is a chunked prefill's, bitwise."""
+    v = HFVerifier(tiny_target, (0, 2), prefill_chunk=4)
+    alone = v.prefill("a", PROMPT)
+    (batched,) = v.verify_batch([PrefillCall("b", tuple(PROMPT))])
+    assert batched.anchor == alone.anchor and torch.equal(batched.delta.features, alone.delta.features)
+    rows = [next_step_row(v, sid, r) for sid, r in (("a", alone), ("b", batched))]
+    assert torch.equal(*rows)
+
+
+def next_step_row(v: HFVerifier, session_id: str, r) -> torch.Tensor:
+    seen = recording(v)
+    v.verify(session_id, r.base, TokenTree.root_only(r.anchor))
+    del v.runner.forward
+    return seen[-1][0]

@@ -318,8 +318,9 @@ class HFVerifier(Verifier):
     @torch.inference_mode()
     def verify_batch(self, calls: Sequence[BatchCall]) -> list[BatchAnswer]:
         """Every valid call in ONE target forward: each tree (an AR step is a root-only
-        tree), and each new session's prompt (``PrefillCall``, run whole, not chunked; its
-        ``decoded`` output after the forward, as chains).
+        tree), and each new session's prompt (``PrefillCall``, run whole; its ``decoded`` output
+        after the forward, as chains; a prompt longer than ``prefill_chunk`` runs as ``prefill``
+        runs it, in chunks, before the forward).
 
         Each call is checked as ``verify`` / ``prefill`` check it, and a session named twice
         is refused the second time (INVALID_ARGUMENT); a refused call gets its error in its
@@ -342,6 +343,12 @@ class HFVerifier(Verifier):
             for j, c in enumerate(calls):
                 try:
                     check_once_per_batch(seen, c.session_id, f"verify_batch.calls[{j}]")
+                    if isinstance(c, PrefillCall) and len(c.token_ids) - c.decoded > self.prefill_chunk:
+                        # in chunks, as ``prefill`` runs it: a re-prefill (chunked) then rebuilds
+                        # exactly this KV; its own forwards, before the batch's
+                        out[j] = self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor,
+                                              c.restart, c.decoded)
+                        continue
                     n = call_rows(c)
                     if rows and rows + n > MAX_INVARIANT_ROWS:
                         raise LimitExceededError(
