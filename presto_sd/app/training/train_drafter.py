@@ -93,6 +93,12 @@ def sequence_key(s: Sequence) -> str:
     return hashlib.sha256(s.tokens.numpy().tobytes()).hexdigest()[:16]
 
 
+def target_labels(s: Sequence, start: int, stop: int) -> torch.Tensor:
+    """The target's top-1 after each of positions ``start..stop-1``: the hard labels of the
+    tokens ``start+1..stop`` under ``--hard-labels target`` (soft-label row t predicts t + 1)."""
+    return s.soft_labels[0][start:stop, 0].long()
+
+
 def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: list[int],
                       hard_labels: str = "tokens") -> torch.Tensor:
     """``d2t``: the ``size`` most frequent response labels (plus ``always``), sorted.
@@ -104,8 +110,8 @@ def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: 
     """
     counts: Counter[int] = Counter()
     for s in seqs:
-        if hard_labels == "target":  # row t of the soft labels predicts token t + 1
-            counts.update(s.soft_labels[0][s.prompt_len - 1 : len(s.tokens) - 1, 0].tolist())
+        if hard_labels == "target":
+            counts.update(target_labels(s, s.prompt_len - 1, len(s.tokens) - 1).tolist())
         else:
             counts.update(s.tokens[s.prompt_len :].tolist())
     top = [t for t, _ in counts.most_common(size)]
@@ -187,8 +193,8 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
             mask[b, 0, q, :a] = True  # context strictly before the anchor
             mask[b, 0, q, T + j * L : T + (j + 1) * L] = True  # its own block, both ways
             tgt = s.tokens[a + 1 : a + L]
-            if cfg.hard_labels == "target":  # row t of the soft labels predicts token t + 1
-                tgt = labels_b[0][a : a + len(tgt), 0].long()
+            if cfg.hard_labels == "target":
+                tgt = target_labels(s, a, a + len(tgt))
             target_ids[b, j, : len(tgt)] = tgt
             labels[b, j, : len(tgt)] = t2d[tgt]
             par = t2d[s.tokens[a : a + L - 1]]  # slot k's parent is the true token at k - 1
