@@ -179,11 +179,11 @@ class PooledVerifier(_Pool, Verifier):
         return min(windows)
 
     def prefill(self, session_id: str, token_ids: list[int], sampling: SamplingParams = SamplingParams(),
-                anchor: int | None = None, restart: bool = False) -> PrefillResult:
+                anchor: int | None = None, restart: bool = False, decoded: int = 0) -> PrefillResult:
         """A long prompt, alone (its engine prefills it in chunks)."""
         self._count_prefill(session_id)
         replica = self.home(session_id)
-        call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart)
+        call = PrefillCall(session_id, tuple(token_ids), sampling, anchor, restart, decoded)
         out = self.single(session_id, calls.Prefill(call), timeout_s=replica.timeouts.prefill_s)
         self.metrics.batch(replica.name, 1, len(token_ids), 0.0, 1)
         return out
