@@ -346,16 +346,21 @@ def test_smollm2_over_grpc_with_real_servers(capsys):
 
 def test_an_engine_server_computes_on_one_thread():
     """The engine loads and runs on its own thread with the process's torch threads; every
-    other thread computes single-threaded (one OpenMP pool: ``EngineHost.own_compute``).
-    In a fresh process: it changes process-wide settings."""
+    other thread computes single-threaded (one OpenMP pool: ``EngineHost.own_compute``),
+    also after the engine's forwards (the decode rows' attention runs on one thread of its
+    own, and must not move the process default). In a fresh process: it changes
+    process-wide settings."""
     code = (
         "import asyncio, threading, torch\n"
         "from concurrent.futures import ThreadPoolExecutor\n"
+        "from presto_sd.models.invariant import row_attention\n"
         "from presto_sd.rpc.server import EngineHost\n"
         "torch.set_num_threads(2)\n"
         "host = EngineHost('verifier')\n"
         "host.own_compute()\n"
         "def load():\n"
+        "    q, k = torch.randn(4, 3, 3, 64), torch.randn(4, 3, 64, 64)\n"
+        "    row_attention(q, k, k, torch.ones(4, 1, 64, dtype=torch.bool), 0.125, 'sdpa')\n"
         "    return threading.current_thread().name, torch.get_num_threads()\n"
         "name, engine_threads = asyncio.run(host.load(load))\n"
         "later = ThreadPoolExecutor(1).submit(torch.get_num_threads).result()\n"

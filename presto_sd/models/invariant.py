@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import functools
 from collections.abc import Callable, Iterator, Sequence
 
@@ -238,14 +239,28 @@ def _sdpa_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
     # how many units the call holds. Measured on a 2-vCPU EPYC: 1 % of fp32 outputs differ
     # between threads, ~1e-7 of bf16 ones after rounding (rare, but it broke a bf16 greedy
     # run at a near tie: docs/benchmarks.md); on one thread none, in 10 M.
-    mask, threads = visible[..., None, :], torch.get_num_threads()
+    mask, (get_threads, set_threads) = visible[..., None, :], _openmp()
+    threads = get_threads()
     if threads == 1:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    torch.set_num_threads(1)  # the calling thread's OpenMP setting (and MKL's, thread-local)
+    set_threads(1)
     try:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     finally:
-        torch.set_num_threads(threads)
+        set_threads(threads)
+
+
+@functools.cache
+def _openmp() -> tuple[Callable[[], int], Callable[[int], None]]:
+    """The OpenMP runtime's ``omp_get_max_threads`` / ``omp_set_num_threads``: the calling
+    thread's count only. (``torch.set_num_threads`` also writes the process default every
+    new thread starts from, which a server's ``own_compute`` keeps at 1.) The runtime torch
+    loaded; without one, torch's own getter and setter."""
+    try:
+        lib = ctypes.CDLL(None)
+        return lib.omp_get_max_threads, lib.omp_set_num_threads
+    except (AttributeError, OSError):
+        return torch.get_num_threads, torch.set_num_threads
 
 
 # candidates, fastest first: the first whose rows agree at the model's shapes is used
