@@ -116,3 +116,24 @@ def next_step_row(v: HFVerifier, session_id: str, r) -> torch.Tensor:
     v.verify(session_id, r.base, TokenTree.root_only(r.anchor))
     del v.runner.forward
     return seen[-1][0]
+
+
+def test_a_batch_that_fails_opens_no_chunked_prompt(tiny_target, monkeypatch):
+    """The chunked prompts of a batch run after its forward: a forward that fails leaves
+    every session of the batch unopened, theirs too."""
+    v = HFVerifier(tiny_target, (0, 2), prefill_chunk=4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(v, "_run", broken)
+    with pytest.raises(RuntimeError):
+        v.verify_batch([PrefillCall("short", (1, 2)), PrefillCall("long", tuple(PROMPT))])
+    assert len(v.sessions) == 0 and v.sessions.in_use_bytes() == 0
+
+
+def test_a_negative_decoded_is_refused_before_the_wire():
+    from verifier_service import wire
+
+    with pytest.raises(InvalidArgumentError, match="prefill.decoded"):
+        wire.prefill_call_to_pb(PrefillCall("s", (1, 2), decoded=-1))

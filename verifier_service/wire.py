@@ -104,6 +104,8 @@ def verify_call_from_pb(msg: pb.VerifyRequest, max_nodes: int | None = None) -> 
 
 
 def prefill_call_to_pb(c: PrefillCall) -> pb.VerifierPrefillRequest:
+    if c.decoded < 0:  # uint32 on the wire: the engine's own check, before protobuf's ValueError
+        raise InvalidArgumentError(f"prefill.decoded = {c.decoded}: must be >= 0")
     return pb.VerifierPrefillRequest(session_id=c.session_id, token_ids=c.token_ids,
                                      sampling=sampling_to_pb(c.sampling), anchor=c.anchor, restart=c.restart,
                                      decoded=c.decoded)

@@ -252,6 +252,7 @@ class HFVerifier(Verifier):
         seat = self._seat(session_id, len(token_ids), restart)
         try:
             kv, feats = self.kv_store.session(), []
+            kv.reserve(len(token_ids))  # the slot its seat paid for, at once (not grown chunk by chunk)
             for hidden, f, done in self.runner.prefill_chunks(kv, token_ids, self.prefill_chunk, decoded):
                 last = hidden[-1]
                 feats.append(f)
@@ -320,7 +321,7 @@ class HFVerifier(Verifier):
         """Every valid call in ONE target forward: each tree (an AR step is a root-only
         tree), and each new session's prompt (``PrefillCall``, run whole; its ``decoded`` output
         after the forward, as chains; a prompt longer than ``prefill_chunk`` runs as ``prefill``
-        runs it, in chunks, before the forward).
+        runs it, in chunks, after the forward).
 
         Each call is checked as ``verify`` / ``prefill`` check it, and a session named twice
         is refused the second time (INVALID_ARGUMENT); a refused call gets its error in its
@@ -335,6 +336,7 @@ class HFVerifier(Verifier):
         out: list[BatchAnswer | None] = [None] * len(calls)
         verifies: list[tuple[int, _Session]] = []
         prompts: list[tuple[int, Seat]] = []
+        chunked: list[int] = []  # prompts longer than a chunk: prefilled as ``prefill`` does, after
         seen: set[str] = set()
         pending: list[int] = []  # slots this batch's trees move to, not yet allocated
         admitted = 0  # their bytes (the prompts' are their seats')
@@ -345,9 +347,8 @@ class HFVerifier(Verifier):
                     check_once_per_batch(seen, c.session_id, f"verify_batch.calls[{j}]")
                     if isinstance(c, PrefillCall) and len(c.token_ids) - c.decoded > self.prefill_chunk:
                         # in chunks, as ``prefill`` runs it: a re-prefill (chunked) then rebuilds
-                        # exactly this KV; its own forwards, before the batch's
-                        out[j] = self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor,
-                                              c.restart, c.decoded)
+                        # exactly this KV; its own forwards, after the batch's (which may fail whole)
+                        chunked.append(j)
                         continue
                     n = call_rows(c)
                     if rows and rows + n > MAX_INVARIANT_ROWS:
@@ -374,6 +375,13 @@ class HFVerifier(Verifier):
         finally:
             for _, seat in prompts:
                 self._unseat(seat)
+        for j in chunked:
+            c = calls[j]
+            try:
+                out[j] = self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart,
+                                      c.decoded)
+            except EngineError as e:
+                out[j] = answer_of(e)
         return out
 
     # -- verification steps, shared by verify and verify_batch ----------------------------
@@ -410,8 +418,9 @@ class HFVerifier(Verifier):
             n = len(input_ids) - start
             segments.append(Segment(s.kv, start, n, None if n == 1 else tuple(paths)))
         for c, _ in prompts:  # a new session's prompt: causal, from position 0 (its decoded tail after)
-            n = len(c.token_ids) - c.decoded
-            segments.append(Segment(self.kv_store.session(), len(input_ids), n))
+            n, kv = len(c.token_ids) - c.decoded, self.kv_store.session()
+            kv.reserve(len(c.token_ids))  # the slot its seat paid for, the decoded tail's included
+            segments.append(Segment(kv, len(input_ids), n))
             input_ids += c.token_ids[:n]
             positions += range(n)
         rngs = [s.generator.get_state() for s, _ in items]
