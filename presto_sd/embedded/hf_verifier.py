@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from presto_sd.embedded.cost_calibration import calibrate_verify_cost
 from presto_sd.embedded.memory import target_kv_bytes_per_token
 from presto_sd.embedded.target_runner import TargetRunner
+from presto_sd.engine.calls import Prefill
 from presto_sd.engine.messages import (
     EngineError,
     FeatureDelta,
@@ -376,10 +377,8 @@ class HFVerifier(Verifier):
             for _, seat in prompts:
                 self._unseat(seat)
         for j in chunked:
-            c = calls[j]
             try:
-                out[j] = self.prefill(c.session_id, list(c.token_ids), c.sampling, c.anchor, c.restart,
-                                      c.decoded)
+                out[j] = Prefill(calls[j]).run(self)
             except EngineError as e:
                 out[j] = answer_of(e)
         return out

@@ -239,13 +239,12 @@ def _sdpa_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
     # how many units the call holds. Measured on a 2-vCPU EPYC: 1 % of fp32 outputs differ
     # between threads, ~1e-7 of bf16 ones after rounding (rare, but it broke a bf16 greedy
     # run at a near tie: docs/benchmarks.md); on one thread none, in 10 M.
-    mask, (get_threads, set_threads) = visible[..., None, :], _openmp()
+    get_threads, set_threads = _openmp()
     threads = get_threads()
-    if threads == 1:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    set_threads(1)
+    set_threads(1)  # ~0.2 µs a switch
     try:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[..., None, :],
+                                              scale=scaling)
     finally:
         set_threads(threads)
 
