@@ -90,7 +90,20 @@ def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_the_corpus_cannot_
         run_link(link_config(chain, "refused", first_shard=3, shards=3))
     with pytest.raises(LinkError, match="asks 9"):  # shards 2-3 hold 8 prompts
         run_link(link_config(chain, "refused", acceptance_prompts=9))
+    with pytest.raises(LinkError, match="lies in the window 1-2"):
+        run_link(link_config(chain, "refused", shards=2, acceptance_from_shard=2))
+    with pytest.raises(LinkError, match="4 prompts in its shards from 3 on"):
+        run_link(link_config(chain, "refused", acceptance_from_shard=3, acceptance_prompts=5))
     assert not (chain[0] / "refused").exists()  # refused before it wrote anything
+
+
+def test_a_link_over_an_early_window_fits_its_predictors_where_it_is_told(chain):
+    """A window the chain saw long ago (shard 0 here, the parent's own) traces its predictors
+    on the shards named, not on the ones right after it."""
+    run_link(link_config(chain, "early", first_shard=0, steps=5, choose_n=1, acceptance_from_shard=3,
+                         acceptance_prompts=2))
+    acceptance = json.loads((chain[0] / "early" / "candidate" / "acceptance_report.json").read_text())
+    assert acceptance["config"]["corpus_from_shard"] == 3
 
 
 def test_a_link_dir_resumes_only_with_its_own_settings(chain):

@@ -35,7 +35,8 @@ CHOICE_METHOD = "presto-best-first"  # the CLI default's builder: what a rho is 
 @dataclass(frozen=True)
 class LinkConfig:
     work: str = field(metadata={"help": "the link's dir: data/, run/, candidate/, choice/, its report"})
-    first_shard: int = field(metadata={"help": "the first corpus shard the parent never saw"})
+    first_shard: int = field(metadata={"help": "the window's first corpus shard (the first the parent "
+                                                 "never saw, while the corpus has unseen shards)"})
     shards: int = field(metadata={"help": "corpus shards to train on; the acceptance predictors are fitted "
                                           "on the shards after them"})
     parent: str = field(default="", metadata={"help": "the drafter dir to start from ('' = the shipped one)"})
@@ -50,6 +51,9 @@ class LinkConfig:
     heldout_seqs: int = 64
     ckpt_every: int = 250
     acceptance_prompts: int = 60
+    acceptance_from_shard: int | None = field(default=None, metadata={
+        "help": "the first corpus shard the acceptance predictors are traced on (default: the one after the "
+                "window); a window over shards the chain saw before can name shards no link trained on"})
     acceptance_tokens: int = 64
     choose_on: str = field(default="sharegpt", metadata={
         "help": "the prompts the choices are made on: a dataset's held-out split (never a benchmark) "
@@ -139,11 +143,20 @@ def _check(cfg: LinkConfig) -> None:
     missing = [i for i in range(cfg.first_shard, end) if str(i) not in shards]
     if cfg.shards < 1 or missing:
         raise LinkError(f"shards {cfg.first_shard}-{end - 1}: the corpus lacks {missing[:4]} (grow it first)")
-    held = sum(e["sequences"] for i, e in shards.items() if int(i) >= end)
+    start = _acceptance_start(cfg)
+    if cfg.first_shard <= start < end:
+        raise LinkError(f"--acceptance-from-shard {start} lies in the window {cfg.first_shard}-{end - 1}: "
+                        "the predictors are fitted on prompts the candidate did not train on")
+    held = sum(e["sequences"] for i, e in shards.items() if int(i) >= start)
     if held < cfg.acceptance_prompts:
-        raise LinkError(f"the corpus has {held} prompts in its shards from {end} on, the acceptance fit asks "
-                        f"{cfg.acceptance_prompts}: its predictors are fitted on shards after the link's "
-                        "window (grow the corpus first)")
+        raise LinkError(f"the corpus has {held} prompts in its shards from {start} on, the acceptance fit "
+                        f"asks {cfg.acceptance_prompts}: its predictors are fitted on shards after the "
+                        "link's window (grow the corpus first)")
+
+
+def _acceptance_start(cfg: LinkConfig) -> int:
+    """The first shard the predictors are traced on: the one after the window unless named."""
+    return cfg.first_shard + cfg.shards if cfg.acceptance_from_shard is None else cfg.acceptance_from_shard
 
 
 def _features(cfg: LinkConfig, out: Path, parent_config: dict) -> Path:
@@ -189,7 +202,7 @@ def _acceptance(cfg: LinkConfig, data: Path, candidate: Path, parent_config: dic
     train_acceptance(AcceptanceConfig(
         drafter=str(candidate), data=str(data), target=cfg.target, n_prompts=cfg.acceptance_prompts,
         max_new_tokens=cfg.acceptance_tokens, depth=min(AcceptanceConfig.depth, block - 1),
-        corpus=cfg.corpus, corpus_from_shard=cfg.first_shard + cfg.shards))
+        corpus=cfg.corpus, corpus_from_shard=_acceptance_start(cfg)))
 
 
 def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str) -> dict[str, float]:
