@@ -106,6 +106,19 @@ def test_a_link_over_an_early_window_fits_its_predictors_where_it_is_told(chain)
     assert acceptance["config"]["corpus_from_shard"] == 3
 
 
+def test_the_cli_types_an_optional_shard_as_an_int():
+    import argparse
+
+    from presto_sd.app.training.cli import _to_config, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    argv = ["train", "link", "--work", "w", "--first-shard", "0", "--shards", "3"]
+    assert _to_config(LinkConfig, parser.parse_args(argv)).acceptance_from_shard is None
+    cfg = _to_config(LinkConfig, parser.parse_args([*argv, "--acceptance-from-shard", "700"]))
+    assert cfg.acceptance_from_shard == 700 and cfg.first_shard == 0
+
+
 def test_a_link_dir_resumes_only_with_its_own_settings(chain):
     run_link(link_config(chain, "settings", steps=5, choose_n=1))
     with pytest.raises(LinkError, match="other settings \\(lr, steps\\)"):

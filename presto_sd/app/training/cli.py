@@ -19,8 +19,9 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         what = f.metadata.get("help", "")
-        if default is MISSING:  # a field without a default: a required flag, typed from its annotation
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+        # typed from the annotation where the default cannot say (none, or None)
+        kind = {"int": int, "float": float}.get(str(f.type).removesuffix(" | None"), str)
+        if default is MISSING:  # a field without a default: a required flag
             p.add_argument(flag, type=kind, required=True, help=what or None)
         elif isinstance(default, bool):
             p.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=what or None)
@@ -28,7 +29,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
             p.add_argument(flag, default=",".join(map(str, default)),
                            help=f"{what + '; ' if what else ''}comma-separated (default: %(default)s)")
         else:
-            kind = type(default) if default is not None else str
+            kind = type(default) if default is not None else kind
             p.add_argument(flag, type=kind, default=default,
                            help=f"{what + ' ' if what else ''}(default: %(default)s)")
 
