@@ -7,6 +7,7 @@ embedded default stack, any `generate` flags after `--`:
 
     .venv/bin/python scripts/round_profile.py                      # presto-best-first@4
     .venv/bin/python scripts/round_profile.py -- --method ar       # the engine's AR, for the ratio
+    .venv/bin/python scripts/round_profile.py --background 30      # a ~600-token context
 
 Time it on a quiet machine (pause background jobs: `kill -STOP`). Timers add ~1 us a call.
 """
@@ -20,6 +21,8 @@ import sys
 import time
 
 PROMPT = "Write a short story about a robot who learns to paint, in five sentences."
+# --background N puts N copies before the prompt (~14 tokens each): a long context
+BACKGROUND = "Here is some background text about the history of painting and robots. "
 VERIFIER_CALLS = {"runner.forward": "target forward", "runner.logits": "lm_head (fp32 logits)",
                   "_walk": "walk", "_commit": "commit", "verify_batch": "verify_batch (all of it)"}
 DRAFTER_CALLS = {"_marginals": "drafter forward", "commit": "drafter KV commit",
@@ -30,6 +33,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--background", type=int, default=0,
+                   help="copies of a background sentence before the prompt (30: ~450 more context tokens)")
     p.add_argument("generate_args", nargs="*", help="more `presto-sd generate` flags, after --")
     args = p.parse_args()
 
@@ -69,7 +74,8 @@ def main() -> int:
         return stack
 
     app_stack.engine_stack = timed_stack
-    cli = build_parser().parse_args(["generate", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
+    prompt = BACKGROUND * args.background + ("Now: " if args.background else "") + args.prompt
+    cli = build_parser().parse_args(["generate", prompt, "--max-new-tokens", str(args.max_new_tokens),
                                      *args.generate_args])
     cli.run(cli)
     rounds = max(calls["verify_batch (all of it)"], 1)

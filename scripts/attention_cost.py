@@ -1,0 +1,124 @@
+"""What a tree's decode rows cost in attention, and two ways around it that were measured.
+
+The verifier attends every decode row as a batch unit of its own (``invariant.row_attention``:
+torch's fused SDPA on one OpenMP thread, over the row's keys gathered into the AR step's
+layout), so a tree of R rows costs R units over the whole context: on a CPU a tree's
+forward grows with R x context. This times, at SmolLM2's shapes (3 KV heads, 3 query heads
+each, head_dim 64), per layer:
+
+- ``gather``: the tree's keys and values gathered (as ``packed._group_attention`` does);
+- ``sdpa rows``: the engine's kernel over them;
+- ``sdpa rows, 2 py threads``: the rows split over two Python threads, each call on one
+  OpenMP thread (bitwise the same: checked);
+- ``eager shared``: the alternative of reading the shared prefix once: every row's queries
+  in ONE matmul against the prefix in place, the last partial block per row, one fp32
+  softmax (as transformers' eager attention), each row split at a point only its position
+  sets; with whether its rows agree between R rows sharing the prefix and AR steps
+  (bf16 and fp32);
+- ``one small op``: a masked_fill of the scores' size, the floor each eager op pays here.
+
+    .venv/bin/python scripts/attention_cost.py          # on a quiet machine (kill -STOP your jobs)
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from presto_sd.models.invariant import KEY_BLOCK, _sdpa_rows, key_width
+
+KV, GROUP, HD = 3, 3, 64
+
+
+def timed(f, n: int = 300) -> float:
+    """Microseconds a call, after a warm-up."""
+    for _ in range(20):
+        f()
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def eager_shared(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, tail_k: torch.Tensor,
+                 tail_v: torch.Tensor, shared: bool) -> torch.Tensor:
+    """q [R, kv, g, hd]; the prefix [kv, P, hd] (shared) or [R, kv, P, hd]; tails [R, kv, 64, hd]."""
+    rows, p = q.shape[0], prefix_k.shape[-2]
+    if shared:
+        stacked = q.transpose(0, 1).reshape(KV, rows * GROUP, HD)
+        pre = torch.matmul(stacked, prefix_k.transpose(-1, -2)).view(KV, rows, GROUP, p).transpose(0, 1)
+    else:
+        pre = torch.matmul(q, prefix_k.transpose(-1, -2))
+    scores = torch.cat([pre, torch.matmul(q, tail_k.transpose(-1, -2))], dim=-1) * HD**-0.5
+    w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(w[..., p:], tail_v)
+    if shared:
+        wp = w[..., :p].transpose(0, 1).reshape(KV, rows * GROUP, p)
+        return out + torch.matmul(wp, prefix_v).view(KV, rows, GROUP, HD).transpose(0, 1)
+    return out + torch.matmul(w[..., :p], prefix_v)
+
+
+def eager_rows_agree(dtype: torch.dtype, p: int, rows: int) -> bool:
+    """A row among ``rows`` sharing the prefix equals the same row as an AR step (its own copy)."""
+    g = torch.Generator().manual_seed(p + rows)
+    shapes = ((rows, KV, GROUP, HD), (KV, p, HD), (KV, p, HD))
+    q, pk, pv = (torch.randn(*s, generator=g).to(dtype) for s in shapes)
+    tk, tv = (torch.randn(rows, KV, KEY_BLOCK, HD, generator=g).to(dtype) for _ in range(2))
+    own_k, own_v = (x.expand(rows, -1, -1, -1).contiguous() for x in (pk, pv))
+    alone = torch.cat([eager_shared(q[i : i + 1], own_k[i : i + 1], own_v[i : i + 1], tk[i : i + 1],
+                                    tv[i : i + 1], False) for i in range(rows)])
+    return torch.equal(eager_shared(q, pk, pv, tk, tv, True), alone)
+
+
+def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor,
+            pool: ThreadPoolExecutor) -> str:
+    """One line of the table: a tree of ``rows`` rows at ``context`` keys."""
+    width = key_width(context + 4)
+    index = torch.arange(width).repeat(rows, 1).flatten()
+    q = torch.randn(rows, KV, GROUP, HD, dtype=slot_k.dtype)
+    visible = (torch.arange(width)[None] < context + 2).expand(rows, width)[:, None]
+
+    def gather() -> tuple[torch.Tensor, ...]:  # as packed._group_attention, rows first
+        return tuple(c.index_select(1, index).view(KV, rows, width, HD).transpose(0, 1)
+                     for c in (slot_k, slot_v))
+
+    k, v = gather()
+    half = (rows + 1) // 2
+
+    def two_threads() -> torch.Tensor:
+        later = pool.submit(_sdpa_rows, q[half:], k[half:], v[half:], visible[half:], HD**-0.5)
+        return torch.cat([_sdpa_rows(q[:half], k[:half], v[:half], visible[:half], HD**-0.5), later.result()])
+
+    one = _sdpa_rows(q, k, v, visible, HD**-0.5)
+    assert rows == 1 or torch.equal(two_threads(), one)
+    p = width - KEY_BLOCK
+    tk, tv = (torch.randn(rows, KV, KEY_BLOCK, HD, dtype=slot_k.dtype) for _ in range(2))
+    line = (f"context {context:5d}, rows {rows}: gather {timed(gather):5.0f}, "
+            f"sdpa rows {timed(lambda: _sdpa_rows(q, k, v, visible, HD**-0.5)):5.0f}, ")
+    if rows > 1:
+        line += f"sdpa rows, 2 py threads {timed(two_threads):5.0f}, "
+    shared = timed(lambda: eager_shared(q, slot_k[:, :p], slot_v[:, :p], tk, tv, True))
+    return line + f"eager shared {shared:5.0f}"
+
+
+def main() -> None:
+    dt = torch.bfloat16
+    pool = ThreadPoolExecutor(1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; microseconds a layer")
+    slot_k, slot_v = (torch.randn(KV, 2048, HD, dtype=dt) for _ in range(2))
+    for context in (128, 576, 1024):
+        for rows in (1, 5, 9):
+            print(measure(context, rows, slot_k, slot_v, pool))
+    scores = torch.randn(5, KV, GROUP, 640, dtype=dt)
+    mask = torch.zeros(5, 1, 1, 640, dtype=torch.bool)
+    small = timed(lambda: scores.masked_fill(mask, 0.0))
+    print(f"one small op (masked_fill of [5, 3, 3, 640] bf16): {small:.0f} us")
+    for dtype in (torch.bfloat16, torch.float32):
+        agree = all(eager_rows_agree(dtype, p, r) for p in (64, 576, 1024) for r in (2, 5, 9))
+        print(f"eager shared: rows among R sharing the prefix = AR steps' rows, {dtype}: {agree}")
+
+
+if __name__ == "__main__":
+    main()
