@@ -464,3 +464,18 @@ def test_the_link_estimate_ignores_spikes():
     link.observe(float("nan"))
     link.observe(-0.001)  # the server's clock ran past the client's: no negative link
     assert link.count == 41 and link.value == pytest.approx(0.002)
+
+
+def test_a_taps_request_on_a_verifier_without_a_cost_model_is_a_named_refusal(tiny_target):
+    """An engine built by hand has no cost fit until ``calibrate_cost()``: a 'taps' request
+    on it is refused with INVALID_ARGUMENT (found by the fuzz as an INTERNAL), and its
+    sessions are closed."""
+    from presto_sd.engine.messages import InvalidArgumentError
+    from presto_sd.loop.generate import GenerationParams, generate
+    from tests.conftest import make_engines
+
+    verifier, drafter = make_engines(tiny_target)
+    verifier.cost_model = verifier.calibrate_cost = lambda: None  # as a remote one never calibrated
+    with pytest.raises(InvalidArgumentError, match="needs the verifier's cost model"):
+        generate(verifier, drafter, [0, 3, 5, 7], GenerationParams(method="taps", max_new_tokens=8))
+    assert len(verifier.sessions) == 0 and len(drafter.sessions) == 0

@@ -50,6 +50,7 @@ import random
 from collections.abc import Callable
 
 from presto_sd.engine.drafter import Drafter
+from presto_sd.engine.messages import InvalidArgumentError
 from presto_sd.engine.verifier import Verifier
 from presto_sd.method.acceptance_calibration import OnlineAcceptanceCalibrator, node_trials
 from presto_sd.method.batch_cost import SharedForward
@@ -66,7 +67,10 @@ class TapsFeedback:
         this sequence's share of the last one (``StepEngine.shared_forward``); None alone."""
         prior = verifier.cost_model() or verifier.calibrate_cost()
         if prior is None:
-            raise ValueError("method 'taps' needs the verifier's cost model, and it has none")
+            # a named refusal (the request's error), not an engine fault: the method cannot run here
+            raise InvalidArgumentError("method 'taps' needs the verifier's cost model, and it has none (a "
+                                       "verifier fits it at start-up: `presto-sd serve verifier`; an engine "
+                                       "built by hand: `calibrate_cost()`)")
         self.verify = OnlineCostModel(prior=prior)
         self.draft, self.commit = MovingAverage(), MovingAverage()
         # seconds a drafted round saves over AR steps: from a neutral 0, with a memory of
