@@ -28,7 +28,7 @@ from orchestrator.actors import EngineStats, ReplicaSpec, engine_stats, start_en
 from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool, Timeouts
 from orchestrator.requests import ChunkStats, GenerateJob, StreamChunk
-from orchestrator.routing import PooledDrafter, PooledVerifier
+from orchestrator.routing import PooledDrafter, PooledVerifier, ReplicaMismatchError
 from presto_sd.engine.messages import AlreadyExistsError, EngineError, LimitExceededError
 from presto_sd.loop.engine import StepEngine
 from presto_sd.loop.scheduler import SchedulerConfig
@@ -147,7 +147,13 @@ class Orchestrator:
         engine_stats([r.engine for r in replicas])  # the engines have loaded
         drafter_replicas = [r for r in replicas if r.kind == "drafter"]
         verifier_replicas = [r for r in replicas if r.kind == "verifier"]
-        return cls(drafter_replicas, verifier_replicas, config, metrics, detokenize)
+        orch = cls(drafter_replicas, verifier_replicas, config, metrics, detokenize)
+        try:
+            orch.verifier.check_arithmetic()
+        except ReplicaMismatchError:
+            orch.shutdown()
+            raise
+        return orch
 
     # -- requests -----------------------------------------------------------------------
     def submit(self, job: GenerateJob, sink: Callable[[object], None]) -> RequestStream:

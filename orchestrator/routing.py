@@ -149,6 +149,22 @@ class _Pool:
         self._fan_out.shutdown(wait=False)
 
 
+class ReplicaMismatchError(ValueError):
+    """Verifier replicas whose arithmetic differs (``VerifierInfo.arithmetic``): a session
+    re-homed from one to another would not continue bitwise, so a pool refuses to form."""
+
+
+def arithmetic_mismatch(infos: Sequence[tuple[str, VerifierInfo]]) -> str | None:
+    """How the named verifiers' arithmetic differs from the first's, or None where it agrees."""
+    (first, want), *rest = [(name, info.arithmetic()) for name, info in infos]
+    for name, got in rest:
+        if differ := [f"{k} {got[k]!r} (not {want[k]!r})" for k in want if got[k] != want[k]]:
+            return (f"verifier replica {name} differs from {first}: {', '.join(differ)}. A session "
+                    "re-homed between them (a replica down) would not continue bitwise: run every "
+                    "verifier replica with the same target, dtype, weights, decoder and prefill chunk")
+    return None
+
+
 class PooledVerifier(_Pool, Verifier):
     kind = "verifier"
 
@@ -159,6 +175,13 @@ class PooledVerifier(_Pool, Verifier):
 
     def info(self) -> VerifierInfo:
         return self.pool.pick().call(calls.Info()).value
+
+    def check_arithmetic(self) -> None:
+        """Raise ``ReplicaMismatchError`` unless every replica computes as the first (asked once,
+        when the pool forms: a replica that restarts with other settings is not seen)."""
+        infos = [(r.name, r.call(calls.Info()).value) for r in self.pool.replicas]
+        if (mismatch := arithmetic_mismatch(infos)) is not None:
+            raise ReplicaMismatchError(mismatch)
 
     def cost_model(self) -> CostFit | None:
         return self.info().cost

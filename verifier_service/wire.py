@@ -167,7 +167,7 @@ def info_to_pb(i: VerifierInfo) -> pb.VerifierInfo:
         eos_token_ids=i.eos_token_ids, target_layer_ids=i.target_layer_ids, limits=limits,
         cost=cost_to_pb(i.cost), memory=memory_to_pb(i.memory), row_invariant=i.row_invariant,
         decoder=i.decoder, weights=i.weights, attention_kernel=i.attention_kernel,
-        self_draft_block=i.self_draft_block,
+        self_draft_block=i.self_draft_block, prefill_chunk=i.prefill_chunk,
     )
 
 
@@ -181,4 +181,5 @@ def info_from_pb(msg: pb.VerifierInfo) -> VerifierInfo:
         cost=cost_from_pb(msg.cost) if msg.HasField("cost") else None, memory=memory_from_pb(msg.memory),
         row_invariant=msg.row_invariant, decoder=msg.decoder, weights=msg.weights,
         attention_kernel=msg.attention_kernel, self_draft_block=msg.self_draft_block,
+        prefill_chunk=msg.prefill_chunk,
     )

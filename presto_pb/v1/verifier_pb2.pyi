@@ -120,7 +120,7 @@ class VerifierLimits(_message.Message):
     def __init__(self, max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits", "cost", "memory", "row_invariant", "decoder", "weights", "attention_kernel", "self_draft_block")
+    __slots__ = ("model", "dtype", "device", "vocab_size", "eos_token_ids", "target_layer_ids", "limits", "cost", "memory", "row_invariant", "decoder", "weights", "attention_kernel", "self_draft_block", "prefill_chunk")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class VerifierInfo(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_KERNEL_FIELD_NUMBER: _ClassVar[int]
     SELF_DRAFT_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -149,4 +150,5 @@ class VerifierInfo(_message.Message):
     weights: str
     attention_kernel: str
     self_draft_block: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ..., cost: _Optional[_Union[_common_pb2.CostFit, _Mapping]] = ..., memory: _Optional[_Union[_common_pb2.KVMemory, _Mapping]] = ..., row_invariant: _Optional[bool] = ..., decoder: _Optional[str] = ..., weights: _Optional[str] = ..., attention_kernel: _Optional[str] = ..., self_draft_block: _Optional[int] = ...) -> None: ...
+    prefill_chunk: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[VerifierLimits, _Mapping]] = ..., cost: _Optional[_Union[_common_pb2.CostFit, _Mapping]] = ..., memory: _Optional[_Union[_common_pb2.KVMemory, _Mapping]] = ..., row_invariant: _Optional[bool] = ..., decoder: _Optional[str] = ..., weights: _Optional[str] = ..., attention_kernel: _Optional[str] = ..., self_draft_block: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...

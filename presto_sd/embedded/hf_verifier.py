@@ -162,6 +162,7 @@ class HFVerifier(Verifier):
             decoder="owned" if self.runner.owned is not None else "transformers",
             weights=self.weights,
             attention_kernel=self.runner.attention_kernel,
+            prefill_chunk=self.prefill_chunk,
         )
 
     def warm_compiled(self) -> None:

@@ -55,6 +55,16 @@ class VerifierInfo:
     decoder: str = ""
     weights: str = ""
     attention_kernel: str = ""
+    prefill_chunk: int = 0  # tokens a prompt forward holds: a prompt's KV rounds by its chunks
+
+    def arithmetic(self) -> dict[str, object]:
+        """What decides the tokens a session's stream gets here: two verifiers that differ in
+        any of it may continue a session moved between them (a resumed stream, a re-prefill)
+        differently. (Fields a server does not report read empty, and compare as such.)"""
+        return {"model": self.model, "dtype": self.dtype, "device": self.device.split(":")[0],
+                "vocab_size": self.vocab_size, "row_invariant": self.row_invariant, "decoder": self.decoder,
+                "weights": self.weights, "attention_kernel": self.attention_kernel,
+                "prefill_chunk": self.prefill_chunk}
 
 
 @dataclass(frozen=True)
