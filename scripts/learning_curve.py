@@ -157,7 +157,7 @@ def plot() -> Path:
         ticks = [0.25, 0.5, 1, 2, 4, 8]  # plain labels: log-scale minor labels overprint each other
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("corpus response tokens (M)")
+        ax.set_xlabel("response tokens trained on (M)")  # a warm start counts its parents'
         ax.set_title(title)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -167,8 +167,10 @@ def plot() -> Path:
                  "stars, 2000 steps on 1.1 M more tokens (noon); plus signs, 4000 steps, a 16k vocabulary, "
                  "bf16 training (afternoon);\ncrosses, 4500 steps, +0.22 M tokens (17:50); diamonds, grown "
                  "to 3 layers, 3000 steps on 1.34 M new tokens (21:10), then 3000 more on 0.97 M (23:30),\n"
-                 "then 3000 more on 0.87 M (2026-12-06 05:00); hexagon: 3000 more on 0.92 M new regenerated "
-                 "+ 0.77 M written tokens (12:00; x counts both);\n"
+                 "then 3000 more on 0.87 M (2026-12-06 05:00); hexagons, + written answers: 3000 more "
+                 "on 0.92 M new regenerated + 0.77 M written tokens (12:00),\non 0.57 M + 0.47 M (15:50), "
+                 "on 0.56 M regenerated seen by the 2.0 M drafter + 0.48 M written (18:30; x counts "
+                 "new tokens only);\n"
                  "the warm starts' replays are bf16 on an AMD EPYC, the others fp32 on an Intel AMX",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.24, 1, 0.9))
