@@ -118,7 +118,7 @@ def test_cost_model_round_trips_in_tree_params_and_verifier_info():
     info = VerifierInfo("m", "float32", "cpu", 10, (2,), (0, 1), limits)
     assert vwire.info_from_pb(vwire.info_to_pb(info)) == info  # uncalibrated: unset, None
     with_cost = replace(info, cost=fit, row_invariant=True, self_draft_block=3, decoder="owned",
-                        weights="gguf-int4", attention_kernel="sdpa")
+                        weights="gguf-int4", attention_kernel="sdpa", prefill_chunk=256)
     assert vwire.info_from_pb(vwire.info_to_pb(with_cost)) == with_cost
 
 

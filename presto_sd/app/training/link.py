@@ -146,7 +146,7 @@ def _check(cfg: LinkConfig) -> None:
     start = _acceptance_start(cfg)
     if cfg.first_shard <= start < end:
         raise LinkError(f"--acceptance-from-shard {start} lies in the window {cfg.first_shard}-{end - 1}: "
-                        "the predictors are fitted on prompts the candidate did not train on")
+                        "the predictors must be fitted on prompts the candidate does not train on")
     held = sum(e["sequences"] for i, e in shards.items() if int(i) >= start)
     if held < cfg.acceptance_prompts:
         raise LinkError(f"the corpus has {held} prompts in its shards from {start} on, the acceptance fit "
