@@ -129,7 +129,15 @@ def test_concurrent_requests_equal_ar(tiny_target, stack):
         assert chunks[0].stats is None and chunks[-1].finish_reason == "length"
         rounds = [c.stats for c in chunks[1:]]
         sizes = [r.tree_size for r in rounds]
-        assert (max(sizes) == 0) if method == "ar" else (max(sizes) > 0), (method, sizes)
+        if method == "ar":
+            assert max(sizes) == 0 and not any(r.gated for r in rounds), sizes
+        elif method == "taps":
+            # 18 streams on a loaded CPU: TAPS may rightly keep every round an AR step (its
+            # gate shut, or B* = 0 against the measured shared forward); its choices under a
+            # fixed cost are tests/test_taps.py's. Here: it never exceeds the request's budget.
+            assert max(sizes) <= 8 + i, (method, sizes)
+        else:
+            assert max(sizes) > 0 and not any(r.gated for r in rounds), (method, sizes)
         assert all(r.verify_s > 0 and r.transfer_s >= 0 for r in rounds), rounds
     tallies = orch.metrics.tallies
     batches = tallies["verify_batches"] - before.get("verify_batches", 0)
