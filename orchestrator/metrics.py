@@ -28,8 +28,10 @@ BATCH_BOUNDS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
 TOKEN_BOUNDS = [1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0]
 PHASES = ("draft", "verify", "queue", "transfer")
 # fallback kinds: a round without a tree while the drafter was away; a session moved to
-# another replica; a verifier session rebuilt from the committed tokens
-FALLBACKS = ("ar_round", "drafter_rehome", "verifier_rehome", "verifier_reprefill")
+# another replica (onto one that computes otherwise: no replica alike was healthy); a
+# verifier session rebuilt from the committed tokens
+FALLBACKS = ("ar_round", "drafter_rehome", "verifier_rehome", "verifier_rehome_mismatch",
+             "verifier_reprefill")
 
 
 # key -> (kind, name, description, tag keys, histogram boundaries)

@@ -3,13 +3,19 @@
 A ``Replica`` calls one engine (an actor, or a remote engine's client directly) with a
 deadline, re-raises the engine's named errors, and backs off after a failure (unreachable,
 dead, too slow); a ``ReplicaPool`` picks the healthy replica holding the fewest sessions.
+A replica that went down may come back another process (an actor restarted, a pod
+replaced): where its pool set ``check``, it is asked again before it serves. One that now
+computes otherwise (``mismatch``, by name) gets sessions only while no replica that
+computes alike is healthy: a session re-homed there would not continue bitwise, and a
+rolling upgrade must not leave the old orchestrator with no replica at all.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +24,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from orchestrator.actors import ActorEngine, DirectEngine, Outcome, ReplicaSpec
 from orchestrator.metrics import Metrics
 from presto_sd.engine.calls import EngineCall
-from presto_sd.engine.messages import DrafterUnavailableError, UnavailableError, VerifierUnavailableError
+from presto_sd.engine.messages import (
+    DrafterUnavailableError,
+    EngineError,
+    SessionNotFoundError,
+    UnavailableError,
+    VerifierUnavailableError,
+)
+
+log = logging.getLogger("orchestrator")
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,10 @@ class Replica:
         self.down_until, self._wait = 0.0, timeouts.retry_s
         self.dead = False  # its actor is gone for good (no restarts left)
         self.max_context: int | None = None  # a verifier's context window, once asked
+        # set by a pool whose sessions need its replicas alike: why this one differs, or None
+        self.check: Callable[[Replica, float], str | None] | None = None
+        self.recheck = False  # it went down or forgot a session: ask ``check`` before it serves again
+        self.mismatch: str | None = None  # how it differs, as ``check`` last said (None: alike)
 
     @property
     def actor(self) -> Any:
@@ -60,6 +78,8 @@ class Replica:
         if timeout_s is None:
             timeout_s = self.timeouts.drafter_s if self.kind == "drafter" else self.timeouts.verifier_s
         try:
+            if self.recheck:
+                self._recheck(timeout_s)
             out: Outcome = self.engine.call(call, timeout_s=timeout_s)
         except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
             self.dead = self.dead or isinstance(e, ActorDiedError)
@@ -69,17 +89,36 @@ class Replica:
         self.metrics.link(self.kind, self.name, self.engine.link.value)
         if out.error is not None:
             self.failed(out.error.code, isinstance(out.error, UnavailableError))
+            if isinstance(out.error, SessionNotFoundError):  # forgot it: it may have restarted
+                self.recheck = self.check is not None
             raise out.error
         self._wait = self.timeouts.retry_s
         return out
 
     def failed(self, code: str, down: bool = True) -> None:
         """Count a failure; ``down``: skip the replica a while (backing off), so the next
-        call re-homes its session."""
+        call re-homes its session, and (where the pool checks) ask it again when it is back."""
         self.metrics.error(self.kind, code)
         if down:
             self.down_until = time.monotonic() + self._wait
             self._wait = min(2 * self._wait, self.timeouts.retry_max_s)
+            self.recheck = self.check is not None
+
+    def _recheck(self, timeout_s: float) -> None:
+        """Back from a failure: ``check`` it before its first call. Found to differ, the call
+        is refused (UNAVAILABLE, so its session re-homes where it is computed alike, if any)."""
+        self.recheck = False
+        try:
+            mismatch = self.check(self, timeout_s)
+        except EngineError as e:  # not answering yet: still down, asked again when back
+            self.failed(e.code)
+            raise self.unavailable(f"{self.kind} replica {self.name}: {e}") from None
+        changed, self.mismatch = mismatch != self.mismatch, mismatch
+        if changed and mismatch is not None:
+            self.metrics.error(self.kind, "MISMATCH")
+            log.warning("%s replica %s came back computing otherwise: %s", self.kind, self.name, mismatch)
+            raise self.unavailable(f"{self.kind} replica {self.name} came back computing otherwise "
+                                   f"(its sessions go where replicas compute alike): {mismatch}")
 
 
 class ReplicaPool:
@@ -90,8 +129,10 @@ class ReplicaPool:
         self.lock = threading.Lock()
 
     def pick(self) -> Replica:
-        """The healthy replica holding the fewest sessions; if none is healthy, the one back soonest."""
+        """The healthy replica holding the fewest sessions, among those that compute alike
+        first (``Replica.mismatch``); if none is healthy, the one back soonest."""
         healthy = [r for r in self.replicas if r.healthy]
         if healthy:
-            return min(healthy, key=lambda r: len(r.sessions))
+            alike = [r for r in healthy if r.mismatch is None]
+            return min(alike or healthy, key=lambda r: len(r.sessions))
         return min(self.replicas, key=lambda r: (r.dead, r.down_until))

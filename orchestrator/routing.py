@@ -63,13 +63,17 @@ class _Pool:
         """The session's replica: where it lives while that one is healthy, else a new home."""
         with self.pool.lock:
             current = self.homes.get(session_id)
-            if current is not None and current.healthy:
+            if current is not None and current.healthy and current.mismatch is None:
                 return current
             new = self.pool.pick()
+            if current is not None and current.healthy and new.mismatch is not None:
+                return current  # it differs, but nothing healthy computes alike: it stays
             if new is not current:
                 if current is not None:
                     current.sessions.discard(session_id)
                     self.metrics.fallback(f"{self.kind}_rehome")
+                    if new.mismatch is not None:  # no replica alike is healthy: served, not bitwise
+                        self.metrics.fallback(f"{self.kind}_rehome_mismatch")
                 new.sessions.add(session_id)
                 self.homes[session_id] = new
                 self.held[session_id].add(new)
@@ -177,11 +181,23 @@ class PooledVerifier(_Pool, Verifier):
         return self.pool.pick().call(calls.Info()).value
 
     def check_arithmetic(self) -> None:
-        """Raise ``ReplicaMismatchError`` unless every replica computes as the first (asked once,
-        when the pool forms: a replica that restarts with other settings is not seen)."""
+        """Raise ``ReplicaMismatchError`` unless every replica computes as the first. Asked when
+        the pool forms, and of a replica again whenever it comes back from a failure or
+        forgets a session (it may have restarted with other settings): one that differs then
+        is named (``Replica.mismatch``) and gets sessions only while none alike is healthy."""
         infos = [(r.name, r.call(calls.Info()).value) for r in self.pool.replicas]
         if (mismatch := arithmetic_mismatch(infos)) is not None:
             raise ReplicaMismatchError(mismatch)
+        reference = infos[0]
+
+        def agrees(replica: Replica, timeout_s: float) -> str | None:
+            outcome = replica.engine.call(calls.Info(), timeout_s=timeout_s)
+            if outcome.error is not None:
+                raise outcome.error
+            return arithmetic_mismatch([reference, (replica.name, outcome.value)])
+
+        for replica in self.pool.replicas:
+            replica.check = agrees
 
     def cost_model(self) -> CostFit | None:
         return self.info().cost

@@ -72,3 +72,62 @@ def test_the_orchestrator_refuses_verifier_replicas_with_other_prefill_chunks(ra
         assert orch.verifier.info().prefill_chunk == 512
     finally:
         orch.shutdown()
+
+
+def _generate(orch: Orchestrator, prompt: list[int], n: int) -> list[int]:
+    from orchestrator.requests import GenerateJob
+    from presto_sd.loop.generate import GenerationParams
+    from presto_sd.method.builders import TreeParams
+
+    params = GenerationParams(method="marginal", tree=TreeParams(budget=8, depth=4), max_new_tokens=n)
+    return [t for chunk in orch.stream(GenerateJob(tuple(prompt), params)) for t in chunk.tokens]
+
+
+def test_a_replica_back_computing_otherwise_gets_sessions_only_while_none_alike_is(ray_runtime):
+    """v1 goes down and comes back another process with another prefill chunk (a pod replaced
+    by a rolling upgrade, say): it is asked before it serves and named; sessions go to v0,
+    which computes alike, while v0 is healthy, and to v1 (counted) only when v0 is not, so a
+    rolling upgrade never leaves the pool without a replica. Fixed, v1 is alike again."""
+    from presto_sd.engine import calls
+    from presto_sd.engine.messages import VerifierUnavailableError
+    from tests.conftest import hf_greedy, tiny_llama
+
+    verifiers = [spec("verifier", f"v{i}", functools.partial(tiny_verifier, 512)) for i in range(2)]
+    orch = Orchestrator.start([spec("drafter", "d0", tiny_drafter)], verifiers)
+    v0, v1 = orch.verifiers.replicas
+    target, prompts = tiny_llama(), ([0, 3, 5, 7], [0, 9, 2])
+    try:
+        assert _generate(orch, prompts[0], 12) == hf_greedy(target, prompts[0], 12)
+        v1.failed("UNAVAILABLE")  # down; its process replaced meanwhile
+        v1.engine.local.engine = tiny_verifier(64)
+        served, real_call = [], v1.engine.call  # what v1's engine is asked, Info aside
+        v1.engine.call = lambda c, **k: (isinstance(c, calls.Info) or served.append(c), real_call(c, **k))[1]
+        v1.down_until = 0.0  # its back-off over
+        with pytest.raises(VerifierUnavailableError, match=r"replica v1 came back computing otherwise .*: "
+                           r"verifier replica v1 differs from v0: prefill_chunk 64 \(not 512\)"):
+            v1.call(calls.Info())
+        assert v1.healthy and not v1.recheck and "prefill_chunk 64" in v1.mismatch
+        assert orch.metrics.tallies["error:verifier:MISMATCH"] == 1
+        pool = orch.verifier
+        assert pool.home("held") is v0  # v0 busier: least-loaded alone would pick v1
+        for prompt in prompts:  # v0 computes alike and is healthy: every session homes there
+            assert _generate(orch, prompt, 12) == hf_greedy(target, prompt, 12)
+        assert not served
+        assert pool.home("s") is v0
+        pool.close("held")
+        v0.failed("UNAVAILABLE")  # now only v1 is healthy: the session goes on there, counted
+        assert pool.home("s") is v1 and orch.metrics.tallies["fallback:verifier_rehome_mismatch"] == 1
+        v0.down_until = 0.0
+        assert pool.home("s") is v0  # v0 back (and asked again: alike): the session returns
+        pool.close("s")
+        v0.failed("UNAVAILABLE")
+        for prompt in prompts:  # a request with no replica alike healthy is served, not refused
+            assert _generate(orch, prompt, 12) == hf_greedy(target, prompt, 12)
+        assert served
+        v1.engine.local.engine = tiny_verifier(512)  # fixed, and back after a failure
+        v1.failed("UNAVAILABLE")
+        v1.down_until = 0.0
+        assert v1.call(calls.Info()).value.prefill_chunk == 512
+        assert v1.healthy and not v1.recheck and v1.mismatch is None
+    finally:
+        orch.shutdown()
