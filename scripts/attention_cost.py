@@ -18,16 +18,18 @@ each, head_dim 64), per layer:
 - ``one small op``: a masked_fill of the scores' size, the floor each eager op pays here.
 
     .venv/bin/python scripts/attention_cost.py          # on a quiet machine (kill -STOP your jobs)
+    .venv/bin/python scripts/attention_cost.py --split-grid   # one SDPA call against two threads
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from presto_sd.models.invariant import KEY_BLOCK, _sdpa_rows, key_width
+from presto_sd.models.invariant import KEY_BLOCK, _openmp, _sdpa_rows, key_width
 
 KV, GROUP, HD = 3, 3, 64
 
@@ -120,5 +122,34 @@ def main() -> None:
         print(f"eager shared: rows among R sharing the prefix = AR steps' rows, {dtype}: {agree}")
 
 
+def split_grid() -> None:
+    """The engine's one SDPA call (on one OpenMP thread) against its units split in two halves
+    over two Python threads (each on one OpenMP thread; bitwise the same: checked), by rows
+    and key width: where would a rows x keys threshold put the split?"""
+    pool = ThreadPoolExecutor(1, initializer=lambda: _openmp()[1](1))
+    print(f"torch {torch.__version__}, bf16; microseconds a layer (3 KV heads x rows units)")
+    for rows in (1, 2, 3, 5, 9, 17):
+        for width in (64, 128, 256, 384, 576, 1024):
+            q = torch.randn(KV, rows, GROUP, HD, dtype=torch.bfloat16)
+            k, v = (torch.randn(KV, rows, width, HD, dtype=torch.bfloat16) for _ in range(2))
+            visible = torch.ones(1, rows, width, dtype=torch.bool)
+            dim, half = (0, 1) if rows == 1 else (1, (rows + 1) // 2)  # KV heads, or rows
+
+            def split(q=q, k=k, v=v, visible=visible, dim=dim, half=half) -> torch.Tensor:
+                tail = [x.narrow(dim, half, x.shape[dim] - half) if x.shape[dim] > 1 else x
+                        for x in (q, k, v, visible)]
+                later = pool.submit(_sdpa_rows, *tail, HD**-0.5)
+                head = [x.narrow(dim, 0, half) if x.shape[dim] > 1 else x for x in (q, k, v, visible)]
+                return torch.cat([_sdpa_rows(*head, HD**-0.5), later.result()], dim)
+
+            def one_call(q=q, k=k, v=v, visible=visible) -> torch.Tensor:
+                return _sdpa_rows(q, k, v, visible, HD**-0.5)
+
+            assert torch.equal(split(), one_call())
+            one, two = timed(one_call, 200), timed(split, 200)
+            print(f"rows {rows:2d}, keys {width:4d}: one call {one:5.0f}, split {two:5.0f} "
+                  f"({two / one:.2f}x)")
+
+
 if __name__ == "__main__":
-    main()
+    split_grid() if "--split-grid" in sys.argv[1:] else main()
