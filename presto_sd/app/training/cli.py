@@ -79,7 +79,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="start at this shard, e.g. the first one a warm-started drafter's parent "
                            "never saw (default: %(default)s)")
     feat.add_argument("--sources", default="", help="only these plan sources' items, comma-separated "
-                      "(sharegpt, code, arith; default: all)")
+                      "(sharegpt, code, arith, magpie; default: all)")
+
+    from presto_sd.app.training.magpie import MagpieConfig
+
+    mp = tsub.add_parser("magpie", help="the corpus's second plan: requests the target writes itself from "
+                         "its chat template's empty user turn (sampled, kept in the repo), then its "
+                         "greedy answers in a corpus of their own; resumable (docs/training.md)")
+    _add_dataclass_args(mp, MagpieConfig)
 
     from presto_sd.app.training.written import WrittenConfig
 
@@ -148,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
         sources = tuple(x for x in args.sources.split(",") if x)
         print(materialize(args.corpus, args.out, model, args.target, layers, args.top_k, args.max_shards,
                           args.first_shard, sources))
+    elif args.train_command == "magpie":
+        from presto_sd.app.training.magpie import MagpieConfig, run_magpie
+
+        print(run_magpie(_to_config(MagpieConfig, args)))
     elif args.train_command == "written":
         from presto_sd.app.training.written import WrittenConfig, write_written_corpus
 

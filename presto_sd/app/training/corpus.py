@@ -34,10 +34,10 @@ class TrainingItem:
 
 
 def item_source(item_id: str) -> str:
-    """The source of an item id as this module makes them (``code/12``, ``arith/7``; ShareGPT's
-    ``conversation/turn``)."""
+    """The source of an item id as the plans make them (``code/12``, ``arith/7``, ``magpie/3/41``;
+    ShareGPT's ``conversation/turn``)."""
     head = item_id.split("/", 1)[0]
-    return head if head in ("code", "arith") else "sharegpt"
+    return head if head in ("code", "arith", "magpie") else "sharegpt"
 
 
 def sharegpt_turn_items(split: str = "train") -> list[TrainingItem]:

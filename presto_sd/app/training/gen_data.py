@@ -47,6 +47,7 @@ class GenDataConfig:
     temperature: float = 0.0  # 0 = greedy responses
     seed: int = 0
     max_batches: int = 0  # stop after this many shards (0 = all): a run cut short, reproducibly
+    prompts: str = ""  # sources "magpie": the folder of sampled requests (``magpie.PromptChunks``)
 
 
 # Batches are cut from groups of this many batches sorted by prompt length (less padding
@@ -61,7 +62,8 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     Tokenising ~50k chat prompts takes minutes on this CPU, so the plan is kept in ``cache``
     (keyed by every field that shapes it) and a restarted job reads it back.
     """
-    key = {k: v for k, v in asdict(cfg).items() if k not in ("out", "max_batches", "dtype", "device")}
+    key = {k: v for k, v in asdict(cfg).items()
+           if k not in ("out", "max_batches", "dtype", "device") and not (k == "prompts" and not v)}
     key["decontaminated"] = "13-gram"  # plans made before the filter are planned again
     if cache is not None and cache.exists():
         saved = json.loads(cache.read_text())
@@ -71,6 +73,9 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
     from presto_sd.app.training.corpus import benchmark_ngrams, build_corpus, is_contaminated
 
     sources = tuple(s for s in cfg.sources.split(",") if s)
+    if sources == ("magpie",):  # not cached: it grows as chunks are sampled (and is quick)
+        batches = _plan_magpie(cfg, tok)
+        return batches[: cfg.max_batches] if cfg.max_batches else batches
     if sources == ("v1",):  # the shipped drafter's data (2026-11-29), reproduced as it was made
         return _cache_plan(cache, key, _plan_v1(cfg, tok), cfg)
     items = build_corpus(sources, cfg.n_code, cfg.n_arith, cfg.seed)
@@ -113,6 +118,32 @@ def _plan_v1(cfg: GenDataConfig, tok) -> list[list[tuple[str, list[int]]]]:
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     encoded = [encoded[i] for i in order]
     return [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
+
+
+def _plan_magpie(cfg: GenDataConfig, tok) -> list[list[tuple[str, list[int]]]]:
+    """Shard ``i`` answers prompt chunk ``i`` (``magpie.py``): its requests that pass the
+    decontamination and fit ``max_prompt_tokens``, shortest first. Chunks only append, so a
+    committed shard's batch never changes."""
+    from presto_sd.app.training.corpus import benchmark_ngrams, text_is_contaminated
+    from presto_sd.app.training.magpie import PromptChunks
+
+    if not cfg.prompts:
+        raise ValueError("--sources magpie needs --prompts DIR (the folder `presto-sd train magpie` "
+                         "samples into)")
+    chunks, grams = PromptChunks(cfg.prompts), benchmark_ngrams()
+    indices = chunks.indices()
+    if indices != list(range(len(indices))):
+        raise ValueError(f"{cfg.prompts}: prompt chunks {indices[:8]}... are not 0..n-1 without a gap")
+    batches = []
+    for i in indices:
+        batch = []
+        for k, text in enumerate(chunks.read(i)):
+            ids = None if text_is_contaminated(text, grams) else _fit_prompt(
+                tok, [{"role": "user", "content": text}], cfg.max_prompt_tokens)
+            if ids is not None:
+                batch.append((f"magpie/{i}/{k}", ids))
+        batches.append(sorted(batch, key=lambda e: len(e[1])))
+    return batches
 
 
 def _fit_prompt(tok, messages: list[dict[str, str]], max_tokens: int) -> list[int] | None:

@@ -35,7 +35,9 @@ def _flag(default, help: str):
 class GrowConfig:
     corpus: str = _flag(DEFAULT_CORPUS, "the corpus folder (manifest.json and id shards)")
     target: str | None = _flag(None, "the target model dir; none: SmolLM2-135M-Instruct")
-    sources: str = _flag("sharegpt,code,arith", "prompt sources, in plan order")
+    sources: str = _flag("sharegpt,code,arith", "prompt sources, in plan order; or magpie alone "
+                         "(the requests `train magpie` sampled, in --prompts)")
+    prompts: str = _flag("", "the sampled prompts folder, for --sources magpie")
     n_code: int = _flag(6000, "stdlib-function prompts in the plan")
     n_arith: int = _flag(6000, "templated arithmetic prompts in the plan")
     max_prompt_tokens: int = _flag(256, "prompt tokens at most")
@@ -50,12 +52,14 @@ class GrowConfig:
         return GenDataConfig(out="", target=self.target, sources=self.sources, n_code=self.n_code,
                              n_arith=self.n_arith, max_prompt_tokens=self.max_prompt_tokens,
                              max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
-                             dtype=self.dtype, seed=self.seed)
+                             dtype=self.dtype, seed=self.seed, prompts=self.prompts)
 
 
 def plan_key(cfg: GrowConfig) -> dict:
-    """What decides the corpus's content: everything but where it goes and how far it runs."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("corpus", "max_shards", "drop_stale")}
+    """What decides the corpus's content: everything but where it goes and how far it runs
+    (and ``prompts`` where unset, so corpora of the first plan keep their key)."""
+    return {k: v for k, v in asdict(cfg).items()
+            if k not in ("corpus", "max_shards", "drop_stale") and not (k == "prompts" and not v)}
 
 
 def stale_shards(corpus: Corpus, batches: list) -> list[int]:
@@ -100,7 +104,7 @@ def grow_corpus(cfg: GrowConfig, model=None, tok=None) -> Path:
         torch.manual_seed(cfg.seed * 1_000_003 + b)  # a shard does not depend on what ran before it
         t_shard = time.perf_counter()
         prompts = [ids for _, ids in batch]
-        responses, _ = _generate_batch(model, prompts, gen, pad, eos, capture_features=False)
+        responses = _generate_batch(model, prompts, gen, pad, eos, capture_features=False)[0] if batch else []
         shard = IdShard(tuple(i for i, _ in batch), tuple(tuple(ids) for _, ids in batch),
                         tuple(tuple(r) for r in responses))
         corpus.write(b, shard, made_by(cfg.dtype, time.perf_counter() - t_shard))
