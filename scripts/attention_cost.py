@@ -28,10 +28,43 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.nn.functional as F
 
-from presto_sd.models.invariant import KEY_BLOCK, _openmp, _sdpa_rows, key_width
+from presto_sd.models.invariant import KEY_BLOCK, _openmp, key_width
 
 KV, GROUP, HD = 3, 3, 64
+
+
+def _sdpa_one_thread(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """The engine's SDPA call (``invariant._sdpa_rows``): on one OpenMP thread, set on every
+    call (ATen sets a new thread's count to torch's own the first time it asks for it)."""
+    get_threads, set_threads = _openmp()
+    threads = get_threads()
+    set_threads(1)
+    try:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[..., None, :],
+                                              scale=scaling)
+    finally:
+        set_threads(threads)
+
+
+# the split's second thread; asks ATen for its thread count once, so later sets of 1 stick
+_POOL = ThreadPoolExecutor(1, thread_name_prefix="split", initializer=torch.get_num_threads)
+
+
+def _split_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                scaling: float, dim: int) -> torch.Tensor:
+    """The call's units in two halves along ``dim``, the second on the other thread."""
+    half, n = query.shape[dim] // 2, query.shape[dim]
+
+    def part(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        return x.narrow(dim, start, length) if x.shape[dim] > 1 else x  # visible may broadcast
+
+    later = _POOL.submit(_sdpa_one_thread, *(part(x, half, n - half) for x in (query, keys, values, visible)),
+                         scaling)
+    first = _sdpa_one_thread(*(part(x, 0, half) for x in (query, keys, values, visible)), scaling)
+    return torch.cat([first, later.result()], dim)
 
 
 def timed(f, n: int = 300) -> float:
@@ -74,8 +107,7 @@ def eager_rows_agree(dtype: torch.dtype, p: int, rows: int) -> bool:
     return torch.equal(eager_shared(q, pk, pv, tk, tv, True), alone)
 
 
-def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor,
-            pool: ThreadPoolExecutor) -> str:
+def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor) -> str:
     """One line of the table: a tree of ``rows`` rows at ``context`` keys."""
     width = key_width(context + 4)
     index = torch.arange(width).repeat(rows, 1).flatten()
@@ -87,18 +119,18 @@ def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor,
                      for c in (slot_k, slot_v))
 
     k, v = gather()
-    half = (rows + 1) // 2
 
     def two_threads() -> torch.Tensor:
-        later = pool.submit(_sdpa_rows, q[half:], k[half:], v[half:], visible[half:], HD**-0.5)
-        return torch.cat([_sdpa_rows(q[:half], k[:half], v[:half], visible[:half], HD**-0.5), later.result()])
+        return _split_rows(q, k, v, visible, HD**-0.5, 0)
 
-    one = _sdpa_rows(q, k, v, visible, HD**-0.5)
-    assert rows == 1 or torch.equal(two_threads(), one)
+    def one_call() -> torch.Tensor:
+        return _sdpa_one_thread(q, k, v, visible, HD**-0.5)
+
+    assert rows == 1 or torch.equal(two_threads(), one_call())
     p = width - KEY_BLOCK
     tk, tv = (torch.randn(rows, KV, KEY_BLOCK, HD, dtype=slot_k.dtype) for _ in range(2))
     line = (f"context {context:5d}, rows {rows}: gather {timed(gather):5.0f}, "
-            f"sdpa rows {timed(lambda: _sdpa_rows(q, k, v, visible, HD**-0.5)):5.0f}, ")
+            f"sdpa rows {timed(one_call):5.0f}, ")
     if rows > 1:
         line += f"sdpa rows, 2 py threads {timed(two_threads):5.0f}, "
     shared = timed(lambda: eager_shared(q, slot_k[:, :p], slot_v[:, :p], tk, tv, True))
@@ -107,12 +139,11 @@ def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor,
 
 def main() -> None:
     dt = torch.bfloat16
-    pool = ThreadPoolExecutor(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; microseconds a layer")
     slot_k, slot_v = (torch.randn(KV, 2048, HD, dtype=dt) for _ in range(2))
     for context in (128, 576, 1024):
         for rows in (1, 5, 9):
-            print(measure(context, rows, slot_k, slot_v, pool))
+            print(measure(context, rows, slot_k, slot_v))
     scores = torch.randn(5, KV, GROUP, 640, dtype=dt)
     mask = torch.zeros(5, 1, 1, 640, dtype=torch.bool)
     small = timed(lambda: scores.masked_fill(mask, 0.0))
@@ -124,26 +155,22 @@ def main() -> None:
 
 def split_grid() -> None:
     """The engine's one SDPA call (on one OpenMP thread) against its units split in two halves
-    over two Python threads (each on one OpenMP thread; bitwise the same: checked), by rows
-    and key width: where would a rows x keys threshold put the split?"""
-    pool = ThreadPoolExecutor(1, initializer=lambda: _openmp()[1](1))
+    over two Python threads, each on one OpenMP thread (bitwise the same: checked), by rows
+    and key width."""
     print(f"torch {torch.__version__}, bf16; microseconds a layer (3 KV heads x rows units)")
+    torch.set_num_threads(2)
     for rows in (1, 2, 3, 5, 9, 17):
         for width in (64, 128, 256, 384, 576, 1024):
             q = torch.randn(KV, rows, GROUP, HD, dtype=torch.bfloat16)
             k, v = (torch.randn(KV, rows, width, HD, dtype=torch.bfloat16) for _ in range(2))
             visible = torch.ones(1, rows, width, dtype=torch.bool)
-            dim, half = (0, 1) if rows == 1 else (1, (rows + 1) // 2)  # KV heads, or rows
+            dim = 0 if rows == 1 else 1  # KV heads, or rows
 
-            def split(q=q, k=k, v=v, visible=visible, dim=dim, half=half) -> torch.Tensor:
-                tail = [x.narrow(dim, half, x.shape[dim] - half) if x.shape[dim] > 1 else x
-                        for x in (q, k, v, visible)]
-                later = pool.submit(_sdpa_rows, *tail, HD**-0.5)
-                head = [x.narrow(dim, 0, half) if x.shape[dim] > 1 else x for x in (q, k, v, visible)]
-                return torch.cat([_sdpa_rows(*head, HD**-0.5), later.result()], dim)
+            def split(q=q, k=k, v=v, visible=visible, dim=dim) -> torch.Tensor:
+                return _split_rows(q, k, v, visible, HD**-0.5, dim)
 
             def one_call(q=q, k=k, v=v, visible=visible) -> torch.Tensor:
-                return _sdpa_rows(q, k, v, visible, HD**-0.5)
+                return _sdpa_one_thread(q, k, v, visible, HD**-0.5)
 
             assert torch.equal(split(), one_call())
             one, two = timed(one_call, 200), timed(split, 200)
