@@ -29,22 +29,18 @@ import hashlib
 import json
 import lzma
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
+from presto_sd.app.training.grow_corpus import GrowConfig, _flag, grow_corpus
 from presto_sd.app.training.token_corpus import CorpusError, made_by
 
 DEFAULT_PROMPTS = "corpus/prompts/smollm2-135m-magpie"
 DEFAULT_MAGPIE_CORPUS = "corpus/smollm2-135m-magpie"
 _PLACEHOLDER = "\x00PROMPT\x00"
-
-
-def _flag(default, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
