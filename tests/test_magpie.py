@@ -56,7 +56,8 @@ def test_requests_are_sampled_kept_and_answered_and_more_chunks_only_append(chat
         entry, requests = m["chunks"][str(i)], chunks.read(i)
         assert entry["sampled"] == 6 and entry["kept"] == len(requests) > 0
         assert entry["cpu"] and entry["dtype"] == "float32" and entry["command"]
-        assert all(r.strip() == r and r for r in requests) and len({r.lower() for r in requests}) == len(requests)
+        assert all(r.strip() == r and r for r in requests)
+        assert len({r.lower() for r in requests}) == len(requests)
         shard = answers.read(i)  # shard i answers chunk i: its requests as user turns, shortest first
         want = sorted(((f"magpie/{i}/{k}", encode_messages(tok, [{"role": "user", "content": r}]))
                        for k, r in enumerate(requests)), key=lambda e: len(e[1]))
