@@ -8,8 +8,8 @@ import torch
 from presto_sd.app.training import corpus as corpus_module
 from presto_sd.app.training.corpus import DECONTAMINATION_N, _ngrams, item_source
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
-from presto_sd.app.training.magpie import MagpieConfig, PromptChunks, run_magpie, user_turn_prefix
-from presto_sd.app.training.token_corpus import Corpus, CorpusError
+from presto_sd.app.training.magpie import MagpieConfig, run_magpie, user_turn_prefix
+from presto_sd.app.training.token_corpus import Corpus, CorpusError, PromptChunks
 from presto_sd.models.loading import encode_messages, load_target
 
 LEAKED = "A baker puts twelve loaves on each of seven shelves and sells all of them"  # a "benchmark" text

@@ -125,7 +125,7 @@ def _plan_magpie(cfg: GenDataConfig, tok) -> list[list[tuple[str, list[int]]]]:
     decontamination and fit ``max_prompt_tokens``, shortest first. Chunks only append, so a
     committed shard's batch never changes."""
     from presto_sd.app.training.corpus import benchmark_ngrams, text_is_contaminated
-    from presto_sd.app.training.magpie import PromptChunks
+    from presto_sd.app.training.token_corpus import PromptChunks
 
     if not cfg.prompts:
         raise ValueError("--sources magpie needs --prompts DIR (the folder `presto-sd train magpie` "

@@ -25,9 +25,6 @@ prompt when it is planned (``corpus.is_contaminated``).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import lzma
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from presto_sd.app.training.grow_corpus import GrowConfig, _flag, grow_corpus
-from presto_sd.app.training.token_corpus import CorpusError, made_by
+from presto_sd.app.training.token_corpus import PromptChunks, made_by
 
 DEFAULT_PROMPTS = "corpus/prompts/smollm2-135m-magpie"
 DEFAULT_MAGPIE_CORPUS = "corpus/smollm2-135m-magpie"
@@ -71,56 +68,6 @@ def user_turn_prefix(tok) -> str:
     prompt included: what every request the target answers starts with)."""
     text = tok.apply_chat_template([{"role": "user", "content": _PLACEHOLDER}], tokenize=False)
     return text[: text.index(_PLACEHOLDER)]
-
-
-class PromptChunks:
-    """The sampled requests in the repo: ``chunk_NNNNN.jsonl.xz`` and ``manifest.json``."""
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-
-    def manifest(self) -> dict:
-        path = self.root / "manifest.json"
-        return json.loads(path.read_text()) if path.exists() else {}
-
-    def indices(self) -> list[int]:
-        return sorted(int(i) for i in self.manifest().get("chunks", {}))
-
-    def open(self, key: dict) -> None:
-        """Start the folder for ``key``, or check that its chunks were sampled with it."""
-        m = self.manifest()
-        if not m:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._write_manifest({"format": "presto-prompts-1", "key": key, "chunks": {}})
-        elif m["key"] != key:
-            diff = sorted(k for k in set(m["key"]) | set(key) if m["key"].get(k) != key.get(k))
-            raise CorpusError(f"{self.root} holds requests sampled otherwise (differs in {', '.join(diff)}): "
-                              "resume with the flags it was made with, or give another --prompts")
-
-    def write(self, index: int, requests: list[str], sampled: int, made: dict) -> None:
-        data = lzma.compress("".join(json.dumps({"text": r}) + "\n" for r in requests).encode(), preset=9)
-        path = self.root / f"chunk_{index:05d}.jsonl.xz"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(path)
-        m = self.manifest()
-        m["chunks"][str(index)] = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(),
-                                   "sampled": sampled, "kept": len(requests), **made}
-        m["totals"] = {"chunks": len(m["chunks"]), "requests": sum(c["kept"] for c in m["chunks"].values())}
-        self._write_manifest(m)
-
-    def read(self, index: int) -> list[str]:
-        """Chunk ``index``'s requests; refuses a file whose sha256 is not the manifest's."""
-        entry = self.manifest()["chunks"][str(index)]
-        data = (self.root / entry["file"]).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CorpusError(f"{self.root / entry['file']}: sha256 differs from the manifest's")
-        return [json.loads(line)["text"] for line in lzma.decompress(data).decode().splitlines()]
-
-    def _write_manifest(self, m: dict) -> None:
-        tmp = self.root / "manifest.json.tmp"
-        tmp.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
-        tmp.rename(self.root / "manifest.json")
 
 
 def sample_requests(model, tok, cfg: MagpieConfig, index: int) -> tuple[list[str], int]:
