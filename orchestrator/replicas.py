@@ -89,8 +89,8 @@ class Replica:
         self.metrics.link(self.kind, self.name, self.engine.link.value)
         if out.error is not None:
             self.failed(out.error.code, isinstance(out.error, UnavailableError))
-            if isinstance(out.error, SessionNotFoundError):  # forgot it: it may have restarted
-                self.recheck = self.check is not None
+            if isinstance(out.error, SessionNotFoundError):
+                self.forgot_session()
             raise out.error
         self._wait = self.timeouts.retry_s
         return out
@@ -103,6 +103,10 @@ class Replica:
             self.down_until = time.monotonic() + self._wait
             self._wait = min(2 * self._wait, self.timeouts.retry_max_s)
             self.recheck = self.check is not None
+
+    def forgot_session(self) -> None:
+        """It answered that a session it held is unknown: it may have restarted, so ask again."""
+        self.recheck = self.check is not None
 
     def _recheck(self, timeout_s: float) -> None:
         """Back from a failure: ``check`` it before its first call. Found to differ, the call

@@ -27,7 +27,13 @@ from orchestrator.metrics import Metrics
 from orchestrator.replicas import Replica, ReplicaPool
 from presto_sd.engine import calls
 from presto_sd.engine.drafter import DraftCall, Drafter, DrafterInfo, DraftResult
-from presto_sd.engine.messages import EngineError, FeatureDelta, UnavailableError, copy_error
+from presto_sd.engine.messages import (
+    EngineError,
+    FeatureDelta,
+    SessionNotFoundError,
+    UnavailableError,
+    copy_error,
+)
 from presto_sd.engine.verifier import (
     BatchAnswer,
     BatchCall,
@@ -124,6 +130,8 @@ class _Pool:
             away = next((a for a in outcome.value if isinstance(a, UnavailableError)), None)
             if away is not None:  # a remote engine that did not answer: its sessions re-home
                 replica.failed(away.code)
+            if any(isinstance(a, SessionNotFoundError) for a in outcome.value):
+                replica.forgot_session()
             for i, answer in zip(indices, outcome.value):
                 out[i] = answer
                 if isinstance(answer, EngineError) and answer is not away:

@@ -131,3 +131,31 @@ def test_a_replica_back_computing_otherwise_gets_sessions_only_while_none_alike_
         assert v1.healthy and not v1.recheck and v1.mismatch is None
     finally:
         orch.shutdown()
+
+
+def test_a_replica_that_forgets_a_session_is_asked_again_before_it_serves(ray_runtime):
+    """An unknown session (a single call's error, or a batch item's) says the replica may
+    have restarted without the orchestrator seeing it down: its arithmetic is asked again
+    before its next call."""
+    from presto_sd.engine import calls
+    from presto_sd.engine.messages import SessionNotFoundError
+    from presto_sd.engine.verifier import VerifyCall
+    from presto_sd.method.tree import TokenTree
+
+    verifiers = [spec("verifier", f"v{i}", functools.partial(tiny_verifier, 512)) for i in range(2)]
+    orch = Orchestrator.start([spec("drafter", "d0", tiny_drafter)], verifiers)
+    v0, v1 = orch.verifiers.replicas
+    try:
+        asked = []
+        check = v1.check
+        v1.check = lambda replica, timeout_s: (asked.append(replica.name), check(replica, timeout_s))[1]
+        with pytest.raises(SessionNotFoundError):
+            v1.call(calls.Step("nobody", 0, 3))
+        assert v1.recheck and v1.healthy  # not down: asked before its next call
+        v1.call(calls.Info())
+        assert asked == ["v1"] and not v1.recheck and v1.mismatch is None
+        orch.verifier.homes["nobody"] = v1  # a session it held, as far as the orchestrator knows
+        answers = orch.verifier.verify_batch([VerifyCall("nobody", 0, TokenTree.root_only(3))])
+        assert isinstance(answers[0], SessionNotFoundError) and v1.recheck
+    finally:
+        orch.shutdown()
