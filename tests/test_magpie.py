@@ -99,10 +99,30 @@ def test_edited_chunks_other_settings_and_a_missing_folder_are_refused(chatty_ta
         grow_corpus(GrowConfig(corpus=str(tmp_path / "c2"), sources="magpie", dtype="float32"), model, tok)
 
 
-def test_the_first_plans_key_is_unchanged_by_the_prompts_field():
+def test_plan_keys_hold_no_checkout_path_and_the_first_plans_is_unchanged():
     from presto_sd.app.training.grow_corpus import plan_key
 
     key = plan_key(GrowConfig())
-    assert "prompts" not in key and plan_key(GrowConfig(sources="magpie", prompts="p"))["prompts"] == "p"
+    assert "prompts" not in key  # and another checkout's path to the same folder is the same plan:
+    assert plan_key(GrowConfig(sources="magpie", prompts="/a/corpus/prompts/p"))["prompts"] == "p"
+    assert plan_key(GrowConfig(sources="magpie", prompts="corpus/prompts/p/")) == plan_key(
+        GrowConfig(sources="magpie", prompts="/elsewhere/corpus/prompts/p"))
     committed = Corpus("corpus/smollm2-135m").manifest()["plan_key"]
     assert key == committed  # the repo corpus resumes as it was made
+
+
+def test_the_committed_second_plan_resumes_with_the_default_flags(smollm2_dir):
+    """A fresh checkout runs `presto-sd train magpie` with its defaults: the committed prompts
+    and answers must be what those flags make, or the job would refuse them."""
+    from presto_sd.app.training.grow_corpus import plan_key
+    from presto_sd.app.training.magpie import DEFAULT_MAGPIE_CORPUS, DEFAULT_PROMPTS, answer_config
+    from presto_sd.app.training.magpie import prompt_key as sampling_key
+    from presto_sd.models.loading import load_tokenizer
+
+    committed = Corpus(DEFAULT_MAGPIE_CORPUS).manifest()
+    assert committed["plan_key"] == plan_key(answer_config(MagpieConfig()))
+    prompts = PromptChunks(DEFAULT_PROMPTS)
+    assert prompts.manifest()["key"] == sampling_key(MagpieConfig(), user_turn_prefix(load_tokenizer(str(smollm2_dir))))
+    for i in prompts.indices():  # every chunk file is there, as its manifest says
+        assert prompts.read(i)
+

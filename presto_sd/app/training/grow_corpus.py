@@ -56,10 +56,14 @@ class GrowConfig:
 
 
 def plan_key(cfg: GrowConfig) -> dict:
-    """What decides the corpus's content: everything but where it goes and how far it runs
-    (and ``prompts`` where unset, so corpora of the first plan keep their key)."""
-    return {k: v for k, v in asdict(cfg).items()
-            if k not in ("corpus", "max_shards", "drop_stale") and not (k == "prompts" and not v)}
+    """What decides the corpus's content: everything but where it goes and how far it runs.
+    ``prompts`` by its folder's name, so that another checkout's path resumes the same corpus
+    (and left out where unset, so corpora of the first plan keep their key)."""
+    key = {k: v for k, v in asdict(cfg).items()
+           if k not in ("corpus", "max_shards", "drop_stale") and not (k == "prompts" and not v)}
+    if "prompts" in key:
+        key["prompts"] = Path(key["prompts"]).name
+    return key
 
 
 def stale_shards(corpus: Corpus, batches: list) -> list[int]:

@@ -108,6 +108,12 @@ def grow_prompts(cfg: MagpieConfig, model, tok, upto: int) -> PromptChunks:
     return chunks
 
 
+def answer_config(cfg: MagpieConfig) -> GrowConfig:
+    """The answering stage: ``grow-corpus`` over the sampled requests."""
+    return GrowConfig(corpus=cfg.corpus, target=cfg.target, sources="magpie", prompts=cfg.prompts,
+                      max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed)
+
+
 # chunks sampled, then answered, per step: a job stopped anywhere has both stages' work committed
 _STEP_CHUNKS = 8
 
@@ -119,8 +125,7 @@ def run_magpie(cfg: MagpieConfig, model=None, tok=None) -> Path:
 
     if model is None:
         model, tok = load_target(cfg.target, torch.device("cpu"), getattr(torch, cfg.dtype))
-    grow = GrowConfig(corpus=cfg.corpus, target=cfg.target, sources="magpie", prompts=cfg.prompts,
-                      max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed)
+    grow = answer_config(cfg)
     for upto in [*range(_STEP_CHUNKS, cfg.chunks, _STEP_CHUNKS), cfg.chunks]:
         grow_prompts(cfg, model, tok, upto)
         if cfg.answer:
