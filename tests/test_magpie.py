@@ -122,7 +122,8 @@ def test_the_committed_second_plan_resumes_with_the_default_flags(smollm2_dir):
     committed = Corpus(DEFAULT_MAGPIE_CORPUS).manifest()
     assert committed["plan_key"] == plan_key(answer_config(MagpieConfig()))
     prompts = PromptChunks(DEFAULT_PROMPTS)
-    assert prompts.manifest()["key"] == sampling_key(MagpieConfig(), user_turn_prefix(load_tokenizer(str(smollm2_dir))))
+    prefix = user_turn_prefix(load_tokenizer(str(smollm2_dir)))
+    assert prompts.manifest()["key"] == sampling_key(MagpieConfig(), prefix)
     for i in prompts.indices():  # every chunk file is there, as its manifest says
         assert prompts.read(i)
 
