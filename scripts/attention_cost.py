@@ -28,28 +28,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
 
-from presto_sd.models.invariant import KEY_BLOCK, _openmp, key_width
+from presto_sd.models.invariant import KEY_BLOCK, _sdpa_rows, key_width
 
 KV, GROUP, HD = 3, 3, 64
 
 
-def _sdpa_one_thread(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
-    """The engine's SDPA call (``invariant._sdpa_rows``): on one OpenMP thread, set on every
-    call (ATen sets a new thread's count to torch's own the first time it asks for it)."""
-    get_threads, set_threads = _openmp()
-    threads = get_threads()
-    set_threads(1)
-    try:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[..., None, :],
-                                              scale=scaling)
-    finally:
-        set_threads(threads)
-
-
-# the split's second thread; asks ATen for its thread count once, so later sets of 1 stick
+# the split's second thread: it asks ATen for its thread count once at start (ATen sets a new
+# thread's OpenMP count to torch's own at its first ask), so ``_sdpa_rows``'s set of 1 sticks
 _POOL = ThreadPoolExecutor(1, thread_name_prefix="split", initializer=torch.get_num_threads)
 
 
@@ -61,9 +47,9 @@ def _split_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, v
     def part(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
         return x.narrow(dim, start, length) if x.shape[dim] > 1 else x  # visible may broadcast
 
-    later = _POOL.submit(_sdpa_one_thread, *(part(x, half, n - half) for x in (query, keys, values, visible)),
+    later = _POOL.submit(_sdpa_rows, *(part(x, half, n - half) for x in (query, keys, values, visible)),
                          scaling)
-    first = _sdpa_one_thread(*(part(x, 0, half) for x in (query, keys, values, visible)), scaling)
+    first = _sdpa_rows(*(part(x, 0, half) for x in (query, keys, values, visible)), scaling)
     return torch.cat([first, later.result()], dim)
 
 
@@ -124,7 +110,7 @@ def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor)
         return _split_rows(q, k, v, visible, HD**-0.5, 0)
 
     def one_call() -> torch.Tensor:
-        return _sdpa_one_thread(q, k, v, visible, HD**-0.5)
+        return _sdpa_rows(q, k, v, visible, HD**-0.5)
 
     assert rows == 1 or torch.equal(two_threads(), one_call())
     p = width - KEY_BLOCK
@@ -159,6 +145,7 @@ def split_grid() -> None:
     and key width."""
     print(f"torch {torch.__version__}, bf16; microseconds a layer (3 KV heads x rows units)")
     torch.set_num_threads(2)
+    torch.get_num_threads()  # ATen's per-thread init now, not inside the first (one-thread) call
     for rows in (1, 2, 3, 5, 9, 17):
         for width in (64, 128, 256, 384, 576, 1024):
             q = torch.randn(KV, rows, GROUP, HD, dtype=torch.bfloat16)
@@ -170,7 +157,7 @@ def split_grid() -> None:
                 return _split_rows(q, k, v, visible, HD**-0.5, dim)
 
             def one_call(q=q, k=k, v=v, visible=visible) -> torch.Tensor:
-                return _sdpa_one_thread(q, k, v, visible, HD**-0.5)
+                return _sdpa_rows(q, k, v, visible, HD**-0.5)
 
             assert torch.equal(split(), one_call())
             one, two = timed(one_call, 200), timed(split, 200)

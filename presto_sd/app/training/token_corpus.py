@@ -140,18 +140,15 @@ class Corpus:
             self._write_manifest({"format": "presto-ids-1", "plan_key": plan_key, "tokenizer": tokenizer,
                                   "shards": {}})
         elif m["plan_key"] != plan_key:
-            old = m["plan_key"]
-            diff = sorted(k for k in set(old) | set(plan_key) if old.get(k) != plan_key.get(k))
-            raise CorpusError(f"{self.root} was made by another plan (differs in {', '.join(diff)}): "
-                              "resume with the flags it was made with, or give another --corpus")
+            raise CorpusError(f"{self.root} was made by another plan (differs in "
+                              f"{_differs(m['plan_key'], plan_key)}): resume with the flags it was made "
+                              "with, or give another --corpus")
 
     def write(self, index: int, shard: IdShard, made_by: dict) -> dict:
         """Write shard ``index`` and its manifest entry; returns the entry."""
         data = encode_shard(shard)
         path = self.shard_path(index)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(path)
+        _replace(path, data)
         entry = {"file": path.name, "sha256": sha256_bytes(data), "bytes": len(data),
                  "sequences": len(shard.item_ids), "tokens": shard.n_tokens,
                  "response_tokens": shard.n_response_tokens, **made_by}
@@ -184,9 +181,23 @@ class Corpus:
         return sorted(int(k) for k in self.manifest()["shards"])
 
     def _write_manifest(self, m: dict) -> None:
-        tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
-        tmp.rename(self.manifest_path)
+        _write_json(self.manifest_path, m)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """``path`` holds ``data``, written atomically (a tmp file, then a rename)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
+def _write_json(path: Path, m: dict) -> None:
+    _replace(path, (json.dumps(m, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _differs(old: dict, new: dict) -> str:
+    """The keys whose values two plan keys disagree on, for a refusal's message."""
+    return ", ".join(sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)))
 
 
 def _totals(shards: dict) -> dict:
@@ -207,10 +218,10 @@ class PromptChunks:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+        self.manifest_path = self.root / "manifest.json"
 
     def manifest(self) -> dict:
-        path = self.root / "manifest.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
 
     def indices(self) -> list[int]:
         return sorted(int(i) for i in self.manifest().get("chunks", {}))
@@ -222,18 +233,16 @@ class PromptChunks:
             self.root.mkdir(parents=True, exist_ok=True)
             self._write_manifest({"format": "presto-prompts-1", "key": key, "chunks": {}})
         elif m["key"] != key:
-            diff = sorted(k for k in set(m["key"]) | set(key) if m["key"].get(k) != key.get(k))
-            raise CorpusError(f"{self.root} holds requests sampled otherwise (differs in {', '.join(diff)}): "
-                              "resume with the flags it was made with, or give another --prompts")
+            raise CorpusError(f"{self.root} holds requests sampled otherwise (differs in "
+                              f"{_differs(m['key'], key)}): resume with the flags it was made with, "
+                              "or give another --prompts")
 
     def write(self, index: int, requests: list[str], sampled: int, made: dict) -> None:
         data = lzma.compress("".join(json.dumps({"text": r}) + "\n" for r in requests).encode(), preset=9)
         path = self.root / f"chunk_{index:05d}.jsonl.xz"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(path)
+        _replace(path, data)
         m = self.manifest()
-        m["chunks"][str(index)] = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(),
+        m["chunks"][str(index)] = {"file": path.name, "sha256": sha256_bytes(data),
                                    "sampled": sampled, "kept": len(requests), **made}
         m["totals"] = {"chunks": len(m["chunks"]), "requests": sum(c["kept"] for c in m["chunks"].values())}
         self._write_manifest(m)
@@ -242,11 +251,9 @@ class PromptChunks:
         """Chunk ``index``'s requests; refuses a file whose sha256 is not the manifest's."""
         entry = self.manifest()["chunks"][str(index)]
         data = (self.root / entry["file"]).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if sha256_bytes(data) != entry["sha256"]:
             raise CorpusError(f"{self.root / entry['file']}: sha256 differs from the manifest's")
         return [json.loads(line)["text"] for line in lzma.decompress(data).decode().splitlines()]
 
     def _write_manifest(self, m: dict) -> None:
-        tmp = self.root / "manifest.json.tmp"
-        tmp.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
-        tmp.rename(self.root / "manifest.json")
+        _write_json(self.manifest_path, m)
