@@ -167,6 +167,28 @@ def test_row_attention_rows_agree_however_threads_split_the_call(kernel, two_thr
             assert torch.equal(tree.transpose(0, 1), ref), width
 
 
+def test_row_attention_is_one_threaded_as_a_new_threads_first_op(two_threads):
+    """ATen sets a thread's OpenMP count lazily, at the thread's first op: were ``_sdpa_rows``
+    that op, the kernel would reset it to torch's count after the one-thread scope and split
+    the call (a server's worker thread, a fresh script). fp32, 64 rows x 3 KV heads: the
+    split shows."""
+    import threading
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(64, 3, 3, 64, generator=g)
+    k, v = (torch.randn(64, 3, 300, 64, generator=g) for _ in range(2))
+    visible = torch.rand(64, 3, 300, generator=g) > 0.2
+    with torch.inference_mode():
+        alone = torch.cat([ATTENTION_KERNELS["sdpa"](q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                                                     visible[i : i + 1], 0.125) for i in range(64)])
+        got = {}
+        sdpa = ATTENTION_KERNELS["sdpa"]
+        worker = threading.Thread(target=lambda: got.update(x=sdpa(q, k, v, visible, 0.125)))
+        worker.start()
+        worker.join()
+    assert torch.equal(got["x"], alone)
+
+
 def test_an_attention_kernel_whose_rows_follow_the_batch_is_not_picked(monkeypatch):
     """The probe catches a fused kernel that rounds by call size (as torch's SDPA does on
     more than one thread: ``_sdpa_rows`` runs it on one), and the verifier falls back to the

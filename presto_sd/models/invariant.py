@@ -240,6 +240,9 @@ def _sdpa_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
     # between threads, ~1e-7 of bf16 ones after rounding (rare, but it broke a bf16 greedy
     # run at a near tie: docs/benchmarks.md); on one thread none, in 10 M.
     get_threads, set_threads = _openmp()
+    # ATen sets a thread's OpenMP count at its first op (lazily): were this call that op, the
+    # kernel would do it inside, after our set, and run on torch's count. Have it done first.
+    torch.get_num_threads()
     threads = get_threads()
     set_threads(1)  # ~0.8 µs with the get and the restore (2-vCPU EPYC)
     try:
