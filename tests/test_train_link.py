@@ -158,3 +158,32 @@ def test_an_n_gram_table_from_no_shards_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="no shards there"):  # e.g. several --data dirs named as one
         build_ngram_table(f"{tmp_path / 'a'},{tmp_path / 'b'}", 3, 64)
+
+
+def test_a_link_mixes_in_windows_of_other_corpora(chain):
+    """``--mix CORPUS:FIRST:SHARDS``: the window's answers and the mixed-in window's train the
+    candidate together, and the n-gram rho table is fitted on both (a link over one kind of
+    text alone pulled the drafter off the others)."""
+    from presto_sd.app.training.token_corpus import Corpus
+
+    corpus = chain[1]
+    run_link(link_config(chain, "mixed", steps=5, choose_n=1, mix=f"{corpus}:0:1"))
+    work = chain[0] / "mixed"
+    both = f"{work / 'data'},{work / 'mix0-data'}"
+    report = json.loads((work / "run" / "drafter" / "training_report.json").read_text())
+    assert report["config"]["data"] == both
+    seqs = sum(len(Corpus(corpus).read(i).item_ids) for i in (0, 1))
+    assert report["train_sequences"] + report["config"]["heldout_seqs"] == seqs
+    assert json.loads((work / "mix0-data" / "meta.json").read_text())["first_shard"] == 0
+    acceptance = json.loads((work / "candidate" / "acceptance_report.json").read_text())
+    assert acceptance["config"]["data"] == both
+
+
+def test_a_link_refuses_a_malformed_or_unfilled_mix_window(chain):
+    corpus = chain[1]
+    for spec in ("nowhere", f"{corpus}:1", f"{corpus}:a:1", f"{corpus}:0:0", f"{corpus}:-1:1", ":0:1"):
+        with pytest.raises(LinkError, match="CORPUS:FIRST:SHARDS"):
+            run_link(link_config(chain, "refused-mix", mix=spec))
+    with pytest.raises(LinkError, match="lacks \\[4, 5\\]"):
+        run_link(link_config(chain, "refused-mix", mix=f"{corpus}:3:3"))
+    assert not (chain[0] / "refused-mix").exists()

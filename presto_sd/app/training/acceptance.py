@@ -30,7 +30,7 @@ LAMBDA_GRID = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 @dataclass(frozen=True)
 class AcceptanceConfig:
     drafter: str  # drafter dir; the outputs land beside its checkpoint
-    data: str  # gen-data shards (for the n-gram table)
+    data: str  # gen-data shards (for the n-gram table): a dir, or several comma-separated
     target: str | None = None
     n_prompts: int = 120
     heldout_fraction: float = 0.25
@@ -75,10 +75,11 @@ class Traces:
 
 
 def build_ngram_table(data_dir: str | Path, order: int, vocab_size: int) -> NGramModel:
-    """An n-gram LM of the target's own generated responses (gen-data shards)."""
+    """An n-gram LM of the target's own generated responses (gen-data shards): one dir, or
+    several comma-separated (a link's window and its ``--mix`` windows)."""
     from presto_sd.app.training.gen_data import load_shards
 
-    seqs = load_shards(data_dir)
+    seqs = [s for d in str(data_dir).split(",") if d for s in load_shards(d)]
     if not seqs:  # an empty table would score every tree by its marginals alone, silently
         raise ValueError(f"the n-gram table's data {data_dir}: no shards there")
     table = NGramModel(order=order, vocab_size=vocab_size)

@@ -67,6 +67,11 @@ class LinkConfig:
                 "own source for code items: prefill-only data, `train written`; a step on ShareGPT's "
                 "taught as much as one on regenerated answers, from scratch at 0.37 M tokens: "
                 "docs/training.md)"})
+    mix: str = field(default="", metadata={
+        "help": "windows of other corpora trained on beside this one, comma-separated CORPUS:FIRST:SHARDS "
+                "(their answers as the corpus holds them; e.g. corpus/smollm2-135m:98:49 beside a magpie "
+                "window: magpie answers alone pulled the drafter off math and code, docs/training.md); "
+                "the n-gram rho table is fitted on every window"})
     written_sources: str = field(default=DEFAULT_WRITTEN_SOURCES, metadata={
         "help": "with --written: the plan sources whose written answers it trains on (sharegpt, code, "
                 "arith: templated worked solutions, not yet measured)"})
@@ -79,6 +84,31 @@ class LinkConfig:
 
 class LinkError(ValueError):
     """A link that cannot run as asked (a benchmark to choose on, no shards past its window)."""
+
+
+@dataclass(frozen=True)
+class MixWindow:
+    """A window of another corpus a link trains on beside its own (``--mix``)."""
+
+    corpus: str
+    first_shard: int
+    shards: int
+
+
+def mix_windows(spec: str) -> list[MixWindow]:
+    """``CORPUS:FIRST:SHARDS,...`` -> windows; a malformed one is a ``LinkError``."""
+    windows = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        corpus, _, rest = part.rpartition(":")
+        corpus, _, first = corpus.rpartition(":")
+        try:
+            window = MixWindow(corpus, int(first), int(rest))
+        except ValueError:
+            window = None
+        if window is None or not corpus or window.first_shard < 0 or window.shards < 1:
+            raise LinkError(f"--mix {part!r}: expected CORPUS:FIRST:SHARDS (a shard >= 0, at least 1 shard)")
+        windows.append(window)
+    return windows
 
 
 def run_link(cfg: LinkConfig) -> dict:
@@ -98,7 +128,12 @@ def run_link(cfg: LinkConfig) -> dict:
     parent = Path(cfg.parent) if cfg.parent else DEFAULT_DRAFTER
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
-    train_data = str(data)
+    # the target's own answers: this window's, then each --mix window's (the n-gram table's text too)
+    answers = [str(data)] + [
+        str(_features(replace(cfg, corpus=m.corpus, first_shard=m.first_shard, shards=m.shards),
+                      work / f"mix{j}-data", parent_config))
+        for j, m in enumerate(mix_windows(cfg.mix))]
+    train_data = ",".join(answers)
     if cfg.written:  # the window's items answered as written, beside the target's answers
         train_data += f",{_written_features(cfg, work, parent_config)}"
     candidate = work / "candidate"
@@ -110,7 +145,7 @@ def run_link(cfg: LinkConfig) -> dict:
         export_drafter(_train(cfg, train_data, work / "run", parent), staged).rename(candidate)
     if not (candidate / DIGESTS_FILE).is_file():  # train_acceptance writes the digests last
         # its n-gram table models the target's own text: the regenerated answers only
-        _acceptance(cfg, data, candidate, parent_config)
+        _acceptance(cfg, ",".join(answers), candidate, parent_config)
     report = _choose(cfg, work / "choice", parent, candidate)
     (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -138,6 +173,11 @@ def _check(cfg: LinkConfig) -> None:
         raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
                         "choices are made on held-out prompts nothing trains or is judged on "
                         "(sharegpt, or a JSONL file)")
+    for m in mix_windows(cfg.mix):
+        held = Corpus(m.corpus).manifest()["shards"]
+        lacking = [i for i in range(m.first_shard, m.first_shard + m.shards) if str(i) not in held]
+        if lacking:
+            raise LinkError(f"--mix {m.corpus}:{m.first_shard}:{m.shards}: the corpus lacks {lacking[:4]}")
     shards = Corpus(cfg.corpus).manifest()["shards"]
     end = cfg.first_shard + cfg.shards
     missing = [i for i in range(cfg.first_shard, end) if str(i) not in shards]
@@ -195,12 +235,12 @@ def _train(cfg: LinkConfig, data: str, run: Path, parent: Path) -> Path:
         hard_labels="target" if cfg.written else "tokens"))
 
 
-def _acceptance(cfg: LinkConfig, data: Path, candidate: Path, parent_config: dict) -> None:
+def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict) -> None:
     from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
 
     block = parent_config["block_size"]
     train_acceptance(AcceptanceConfig(
-        drafter=str(candidate), data=str(data), target=cfg.target, n_prompts=cfg.acceptance_prompts,
+        drafter=str(candidate), data=data, target=cfg.target, n_prompts=cfg.acceptance_prompts,
         max_new_tokens=cfg.acceptance_tokens, depth=min(AcceptanceConfig.depth, block - 1),
         corpus=cfg.corpus, corpus_from_shard=_acceptance_start(cfg)))
 
