@@ -297,7 +297,10 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         attn[i, width - len(p):] = 1
     ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = ReservedCache(model.config.num_hidden_layers, width + cfg.max_new_tokens)
+    # every layer of a Llama attends fully; a model with sliding-window layers keeps transformers' cache
+    full = getattr(model.config, "sliding_window", None) is None
+    n_layers = model.config.num_hidden_layers
+    cache = ReservedCache(n_layers, width + cfg.max_new_tokens) if full else DynamicCache()
     kv = {cache_kwarg(model): cache}
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv,
                 logits_to_keep=1, output_hidden_states=capture_features)  # full [B, T, V] logits: gigabytes
