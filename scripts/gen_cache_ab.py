@@ -11,7 +11,6 @@ import argparse
 import time
 
 import torch
-from transformers import DynamicCache
 
 import presto_sd.app.training.gen_data as gen_data
 from presto_sd.app.training.token_corpus import Corpus
@@ -33,12 +32,11 @@ def main() -> None:
     eos = set(filter(None, [tok.eos_token_id])) | {2}  # as grow_corpus stops
     warm = gen_data.GenDataConfig(out="", max_new_tokens=4)
     gen_data._generate_batch(model, prompts[:4], warm, pad, eos, capture_features=False)
-    reserved = gen_data.ReservedCache
     cfg = gen_data.GenDataConfig(out="", max_new_tokens=args.max_new_tokens)
     for name in args.caches.split(","):
-        gen_data.ReservedCache = reserved if name == "reserved" else (lambda n_layers, cap: DynamicCache())
         t0 = time.perf_counter()
-        responses = gen_data._generate_batch(model, prompts, cfg, pad, eos, capture_features=False)[0]
+        responses = gen_data._generate_batch(model, prompts, cfg, pad, eos, capture_features=False,
+                                             kv_cache=name)[0]
         seconds = time.perf_counter() - t0
         n = sum(map(len, responses))
         same = [tuple(r) for r in responses] == [tuple(r) for r in shard.responses]

@@ -274,7 +274,7 @@ class ReservedCache(DynamicCache):
 
 @torch.inference_mode()
 def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: int, eos: set[int],
-                    capture_features: bool = True):
+                    capture_features: bool = True, kv_cache: str = "reserved"):
     """Batched greedy/sampled decoding that drops finished rows from the batch each step.
 
     transformers' ``generate`` keeps stepping finished rows until the longest one ends;
@@ -297,10 +297,13 @@ def _generate_batch(model, prompts: list[list[int]], cfg: GenDataConfig, pad: in
         attn[i, width - len(p):] = 1
     ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    # every layer of a Llama attends fully; a model with sliding-window layers keeps transformers' cache
+    # ``kv_cache`` "reserved" (``ReservedCache``) where every layer attends fully, as a Llama's do;
+    # "dynamic", or a model with sliding-window layers: transformers' own
     full = getattr(model.config, "sliding_window", None) is None
-    n_layers = model.config.num_hidden_layers
-    cache = ReservedCache(n_layers, width + cfg.max_new_tokens) if full else DynamicCache()
+    if kv_cache == "reserved" and full:
+        cache = ReservedCache(model.config.num_hidden_layers, width + cfg.max_new_tokens)
+    else:
+        cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv,
                 logits_to_keep=1, output_hidden_states=capture_features)  # full [B, T, V] logits: gigabytes
