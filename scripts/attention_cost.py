@@ -34,9 +34,8 @@ from presto_sd.models.invariant import KEY_BLOCK, _sdpa_rows, key_width
 KV, GROUP, HD = 3, 3, 64
 
 
-# the split's second thread: it asks ATen for its thread count once at start (ATen sets a new
-# thread's OpenMP count to torch's own at its first ask), so ``_sdpa_rows``'s set of 1 sticks
-_POOL = ThreadPoolExecutor(1, thread_name_prefix="split", initializer=torch.get_num_threads)
+# the split's second thread (``_sdpa_rows`` has ATen's per-thread init done before its one-thread scope)
+_POOL = ThreadPoolExecutor(1, thread_name_prefix="split")
 
 
 def _split_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
@@ -145,7 +144,6 @@ def split_grid() -> None:
     and key width."""
     print(f"torch {torch.__version__}, bf16; microseconds a layer (3 KV heads x rows units)")
     torch.set_num_threads(2)
-    torch.get_num_threads()  # ATen's per-thread init now, not inside the first (one-thread) call
     for rows in (1, 2, 3, 5, 9, 17):
         for width in (64, 128, 256, 384, 576, 1024):
             q = torch.randn(KV, rows, GROUP, HD, dtype=torch.bfloat16)

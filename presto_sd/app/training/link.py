@@ -173,14 +173,15 @@ def _check(cfg: LinkConfig) -> None:
         raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
                         "choices are made on held-out prompts nothing trains or is judged on "
                         "(sharegpt, or a JSONL file)")
+    def lacking(held: dict, first: int, n: int) -> list[int]:
+        return [i for i in range(first, first + n) if str(i) not in held]
+
     for m in mix_windows(cfg.mix):
-        held = Corpus(m.corpus).manifest()["shards"]
-        lacking = [i for i in range(m.first_shard, m.first_shard + m.shards) if str(i) not in held]
-        if lacking:
-            raise LinkError(f"--mix {m.corpus}:{m.first_shard}:{m.shards}: the corpus lacks {lacking[:4]}")
+        if missing := lacking(Corpus(m.corpus).manifest()["shards"], m.first_shard, m.shards):
+            raise LinkError(f"--mix {m.corpus}:{m.first_shard}:{m.shards}: the corpus lacks {missing[:4]}")
     shards = Corpus(cfg.corpus).manifest()["shards"]
     end = cfg.first_shard + cfg.shards
-    missing = [i for i in range(cfg.first_shard, end) if str(i) not in shards]
+    missing = lacking(shards, cfg.first_shard, cfg.shards)
     if cfg.shards < 1 or missing:
         raise LinkError(f"shards {cfg.first_shard}-{end - 1}: the corpus lacks {missing[:4]} (grow it first)")
     start = _acceptance_start(cfg)
