@@ -133,6 +133,13 @@ def test_prompts_file_both_formats(tmp_path: Path) -> None:
     assert b.id == "x" and b.messages == tuple(msgs) and b.turns == ("Hi", "Bye")
 
 
+def test_prompts_file_lines_name_their_dataset(tmp_path: Path) -> None:
+    lines = [json.dumps({"prompt": "a", "dataset": "code-heldout"}), json.dumps({"prompt": "b"})]
+    path = _write(tmp_path, lines)
+    a, b = ds.load_prompts_file(path)
+    assert (a.dataset, a.id) == ("code-heldout", "mine/1") and b.dataset == "mine"
+
+
 @pytest.mark.parametrize(
     ("line", "what"),
     [
@@ -144,6 +151,9 @@ def test_prompts_file_both_formats(tmp_path: Path) -> None:
         ('{"messages": [{"role": "bot", "content": "x"}]}', "messages\\[0\\]"),
         ('{"messages": [{"role": "system", "content": "x"}]}', "no user message"),
         ('{"prompt": "hi", "id": 1.5}', "'id'"),
+        ('{"prompt": "hi", "dataset": ""}', "'dataset'"),
+        ('{"prompt": "hi", "dataset": 3}', "'dataset'"),
+        ('{"prompt": "hi", "dataset": "gsm8k"}', "benchmark"),
     ],
 )
 def test_prompts_file_bad_line(tmp_path: Path, line: str, what: str) -> None:

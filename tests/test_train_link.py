@@ -187,3 +187,30 @@ def test_a_link_refuses_a_malformed_or_unfilled_mix_window(chain):
     with pytest.raises(LinkError, match="lacks \\[4, 5\\]"):
         run_link(link_config(chain, "refused-mix", mix=f"{corpus}:3:3"))
     assert not (chain[0] / "refused-mix").exists()
+
+
+def test_a_link_chooses_on_the_held_out_mix_by_default(chain, monkeypatch):
+    """The default choice set holds code and arithmetic beside chat (the eleventh link moved
+    toward chat, won on ShareGPT alone and lost math and code): written once in the link's dir,
+    replayed with a row per set and the pooled row the verdict reads."""
+    from presto_sd.app.training import link
+    from presto_sd.app.training.choose_set import MIX_SETS
+
+    assert LinkConfig(work="w", first_shard=0, shards=1).choose_on == "mix"
+    written = []
+
+    def small_mix(path, n):  # the real one's sets, with prompts a tiny target answers quickly
+        written.append(n)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"prompt": f"Say {k}.", "dataset": name}) + "\n"
+                                for name in MIX_SETS for k in range(n)))
+        return path
+
+    monkeypatch.setattr(link, "write_heldout_mix", small_mix)
+    cfg = link_config(chain, "mix-choice", steps=5, choose_n=1, choose_on="mix")
+    report = run_link(cfg)
+    choice = chain[0] / "mix-choice" / "choice"
+    rows = json.loads((choice / "candidate-hphi" / "replay.json").read_text())["rows"]
+    assert {r["dataset"] for r in rows} == {*MIX_SETS, "all"}
+    assert (choice / "heldout-mix.jsonl").is_file() and written == [1]  # one file, both drafters
+    assert run_link(cfg) == report and written == [1]

@@ -353,6 +353,11 @@ def _file_prompt(obj: Any, where: str, default_id: str, dataset: str) -> Prompt:
     pid = obj.get("id", default_id)
     if type(pid) not in (str, int):  # not bool, float, null, ...
         raise DatasetError(f"{where}: 'id' must be a string or integer")
+    dataset = obj.get("dataset", dataset)
+    if not isinstance(dataset, str) or not dataset.strip() or dataset in BENCHMARKS:
+        # a file's prompts never pass for a benchmark's: their rows would pool with its
+        raise DatasetError(f"{where}: 'dataset' must be a non-empty string other than a benchmark's name "
+                           f"({', '.join(sorted(BENCHMARKS))})")
     if "prompt" in obj:
         text = obj["prompt"]
         if not isinstance(text, str) or not text.strip():
@@ -379,9 +384,10 @@ def _file_prompt(obj: Any, where: str, default_id: str, dataset: str) -> Prompt:
 def load_prompts_file(path: str | os.PathLike[str]) -> list[Prompt]:
     """Read a JSONL file of ``{"prompt": ...}`` or ``{"messages": [...]}`` objects.
 
-    Each object may carry an ``"id"`` (default ``"<file stem>/<line number>"``); the
-    prompts' ``dataset`` is the file stem. Blank lines are skipped; a bad line raises
-    :class:`DatasetError` naming its line number.
+    Each object may carry an ``"id"`` (default ``"<file stem>/<line number>"``) and a
+    ``"dataset"`` (default the file stem; ``bench`` reports a row per dataset, one file may
+    hold several sets). Blank lines are skipped; a bad line raises :class:`DatasetError`
+    naming its line number.
     """
     path = Path(path)
     out = []

@@ -132,6 +132,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "the parent, predictors, and the choices (rho; better than the parent?) made "
                            "by the replay on held-out prompts; resumable (docs/training.md)")
     _add_dataclass_args(link, LinkConfig)
+
+    cs = tsub.add_parser("choose-set", help="the held-out mix a link chooses on (ShareGPT's held-out split, "
+                         "code prompts on stdlib submodules, fresh word problems; none planned, none a "
+                         "benchmark's) as a `bench --prompts-file` JSONL")
+    cs.add_argument("--out", required=True, help="the JSONL file to write")
+    cs.add_argument("--n", type=int, default=24, help="prompts of each set (default: %(default)s)")
     train.set_defaults(run=run)
 
 
@@ -191,4 +197,8 @@ def run(args: argparse.Namespace) -> int:
 
         report = run_link(_to_config(LinkConfig, args))
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    elif args.train_command == "choose-set":
+        from presto_sd.app.training.choose_set import write_heldout_mix
+
+        print(write_heldout_mix(args.out, args.n))
     return 0

@@ -72,23 +72,50 @@ _CODE_TEMPLATES = (
 )
 
 
-def stdlib_functions() -> list[tuple[str, str, str, str]]:
-    """``(module, name, signature, first docstring paragraph)`` of public stdlib functions.
+def stdlib_functions(submodules: bool = False) -> list[tuple[str, str, str, str]]:
+    """``(module, name, signature, first docstring paragraph)`` of public stdlib functions: of
+    the top-level modules (the plans' code prompts), or with ``submodules`` of the modules
+    inside the stdlib's packages (``json.decoder``, ``email.utils``: prompts no plan holds).
 
     Importing every stdlib module has side effects (signal handlers, terminal state), so the
     walk runs in a child interpreter.
     """
+    walk = "_walk_stdlib_submodules" if submodules else "_walk_stdlib"
     proc = subprocess.run([sys.executable, "-c", "import json, presto_sd.app.training.corpus as c; "
-                           "print(json.dumps(c._walk_stdlib()))"], capture_output=True, text=True, check=True)
+                           f"print(json.dumps(c.{walk}()))"], capture_output=True, text=True, check=True)
     return [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+def _top_level_stdlib() -> list[str]:
+    return sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in _SKIP_MODULES)
+
+
 def _walk_stdlib() -> list[tuple[str, str, str, str]]:
+    return _walk_modules(_top_level_stdlib())
+
+
+def _walk_stdlib_submodules() -> list[tuple[str, str, str, str]]:
+    import pkgutil
+
+    names: list[str] = []
+    for top in _top_level_stdlib():
+        try:
+            path = importlib.import_module(top).__path__  # a package's; a plain module has none
+        except Exception:
+            continue
+        for info in pkgutil.walk_packages(path, prefix=top + ".", onerror=lambda _: None):
+            parts = info.name.split(".")
+            # __main__ runs a tool on import; tests and private modules are not the API
+            if not any(p.startswith("_") or p in ("test", "tests") for p in parts):
+                names.append(info.name)
+    return _walk_modules(sorted(names))
+
+
+def _walk_modules(names: list[str]) -> list[tuple[str, str, str, str]]:
     found = []
-    names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in _SKIP_MODULES)
     for modname in names:
         try:
             with warnings.catch_warnings():
@@ -127,13 +154,20 @@ def code_draws(n: int, seed: int = 0) -> list[tuple[tuple[str, str, str, str], i
     return [(funcs[i % len(funcs)], rng.randrange(len(_CODE_TEMPLATES))) for i in range(n)]
 
 
+def code_prompt(function: tuple[str, str, str, str], template: int) -> str:
+    """The prompt of code template ``template`` about ``(module, name, signature, doc)``."""
+    module, name, sig, doc = function
+    qual = f"{module}.{name}"
+    return _CODE_TEMPLATES[template].format(name=name, sig=sig, doc=doc, module=module, qual=qual)
+
+
+N_CODE_TEMPLATES = len(_CODE_TEMPLATES)
+
+
 def code_items(n: int, seed: int = 0) -> list[TrainingItem]:
     """``n`` programming prompts about stdlib functions, templates chosen by ``seed``."""
-    out = []
-    for i, ((module, name, sig, doc), t) in enumerate(code_draws(n, seed)):
-        text = _CODE_TEMPLATES[t].format(name=name, sig=sig, doc=doc, module=module, qual=f"{module}.{name}")
-        out.append(TrainingItem(f"code/{i}", "code", ({"role": "user", "content": text},)))
-    return out
+    return [TrainingItem(f"code/{i}", "code", ({"role": "user", "content": code_prompt(f, t)},))
+            for i, (f, t) in enumerate(code_draws(n, seed))]
 
 
 def stdlib_sources(functions: list[tuple[str, str]]) -> list[str | None]:
@@ -265,8 +299,9 @@ _ARITH_SUFFIXES = ("", " Explain your reasoning step by step.", " Show your work
                    " Give the final answer at the end.")
 
 
-def _arithmetic_draws(n: int, seed: int) -> list[tuple[str, str, str]]:
-    """(problem, suffix, worked solution) of each of the ``n`` items, in the plan's order."""
+def arithmetic_draws(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """``n`` word problems of ``seed``'s generator: (problem, a prompt suffix, worked solution);
+    the first ``k`` of ``n`` draws are ``arithmetic_draws(k, seed)`` (the plan's items in order)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -278,12 +313,12 @@ def _arithmetic_draws(n: int, seed: int) -> list[tuple[str, str, str]]:
 def arithmetic_items(n: int, seed: int = 0) -> list[TrainingItem]:
     """``n`` templated arithmetic word problems (a seeded generator; no benchmark text)."""
     return [TrainingItem(f"arith/{i}", "arith", ({"role": "user", "content": problem + suffix},))
-            for i, (problem, suffix, _) in enumerate(_arithmetic_draws(n, seed))]
+            for i, (problem, suffix, _) in enumerate(arithmetic_draws(n, seed))]
 
 
 def arithmetic_solutions(n: int, seed: int = 0) -> dict[str, str]:
     """The worked solution of each of ``arithmetic_items(n, seed)``, by item id."""
-    return {f"arith/{i}": solution for i, (_, _, solution) in enumerate(_arithmetic_draws(n, seed))}
+    return {f"arith/{i}": solution for i, (_, _, solution) in enumerate(arithmetic_draws(n, seed))}
 
 
 def build_corpus(sources: tuple[str, ...], n_code: int, n_arith: int, seed: int = 0) -> list[TrainingItem]:

@@ -4,14 +4,15 @@ A link is what the shipped SmolLM2 drafter grew by (docs/training.md): the paren
 corpus shards it never saw, fitted its acceptance predictors on the shards after those, and
 judged against its parent. The choices a link makes (which rho its ``presto.json`` names;
 whether it beats its parent) are made by the replay on a held-out prompt set that nothing
-trains on: ShareGPT's held-out split by default, never a benchmark set. Each step leaves its
+trains on: by default a mix of ShareGPT's held-out split, code and arithmetic prompts no plan
+holds (``choose_set.py``), never a benchmark set. Each step leaves its
 output in the link's dir and is skipped when it is there, so an interrupted link resumes
 (with the settings it started with: ``link.json``; other settings are refused):
 
     data/        the shards' features and soft labels (``train features``; cached by sha256)
     run/         the training run (``train drafter --init-drafter PARENT``; resumable)
     candidate/   the exported drafter with its predictors (``train export``, ``train acceptance``)
-    choice/      one replay per (drafter, rho) (``bench --replay``)
+    choice/      the held-out mix (``heldout-mix.jsonl``), one replay per (drafter, rho) (``bench --replay``)
     link_report.json   the taus, each drafter's best rho, and whether the candidate beats its parent
 
 Shipping stays a person's act: the report names the command that copies the candidate.
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS
+from presto_sd.app.training.choose_set import HELDOUT_MIX, MIX_SETS, write_heldout_mix
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
 from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES
 from presto_sd.models.assets import DIGESTS_FILE
@@ -55,10 +57,11 @@ class LinkConfig:
         "help": "the first corpus shard the acceptance predictors are traced on (default: the one after the "
                 "window); a window over shards the chain saw before can name shards no link trained on"})
     acceptance_tokens: int = 64
-    choose_on: str = field(default="sharegpt", metadata={
-        "help": "the prompts the choices are made on: a dataset's held-out split (never a benchmark) "
-                "or a JSONL prompts file"})
-    choose_n: int = 24
+    choose_on: str = field(default=HELDOUT_MIX, metadata={
+        "help": f"the prompts the choices are made on: '{HELDOUT_MIX}' (ShareGPT's held-out split, code "
+                "prompts on stdlib submodules and fresh word problems, --choose-n of each: `train "
+                "choose-set`), a dataset's held-out split (never a benchmark) or a JSONL prompts file"})
+    choose_n: int = field(default=24, metadata={"help": "prompts of each set chosen on"})
     budgets: tuple[int, ...] = (4, 16)
     max_new_tokens: int = 128
     dtype: str = "bfloat16"  # the target's, for the features (float32 on a CPU without native bf16)
@@ -78,8 +81,9 @@ class LinkConfig:
 
     @property
     def choose_on_file(self) -> bool:
-        """Are the choices made on a JSONL prompts file (else on a dataset's held-out split)?"""
-        return Path(self.choose_on).is_file()
+        """Are the choices made on a JSONL prompts file of the user's (else on the held-out mix
+        or a dataset's held-out split)?"""
+        return self.choose_on != HELDOUT_MIX and Path(self.choose_on).is_file()
 
 
 class LinkError(ValueError):
@@ -246,20 +250,31 @@ def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict
         corpus=cfg.corpus, corpus_from_shard=_acceptance_start(cfg)))
 
 
-def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str) -> dict[str, float]:
-    """``bench --replay`` of ``drafter`` with ``rho`` (its output kept in ``out``): pooled tau
-    per method and budget."""
+def _choice_prompts(cfg: LinkConfig, choice: Path) -> list[str]:
+    """``bench`` flags for the prompts the choice replays (the held-out mix written once)."""
+    if cfg.choose_on == HELDOUT_MIX:
+        mix = choice / "heldout-mix.jsonl"
+        if not mix.is_file():
+            write_heldout_mix(mix, cfg.choose_n)
+        return ["--prompts-file", str(mix), "--datasets", "", "--n", str(len(MIX_SETS) * cfg.choose_n)]
+    if cfg.choose_on_file:
+        return ["--prompts-file", cfg.choose_on, "--datasets", "", "--n", str(cfg.choose_n)]
+    return ["--datasets", cfg.choose_on, "--n", str(cfg.choose_n)]
+
+
+def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
+            prompts: list[str]) -> dict[str, float]:
+    """``bench --replay`` of ``drafter`` with ``rho`` on ``prompts`` (its output kept in ``out``):
+    pooled tau per method and budget."""
     if not (out / "replay.json").is_file():
         import argparse
 
         from presto_sd.app.bench.cli import register
 
         argv = ["bench", "--replay", "--drafter", str(drafter), "--methods", methods,
-                "--budgets", ",".join(map(str, cfg.budgets)), "--n", str(cfg.choose_n),
+                "--budgets", ",".join(map(str, cfg.budgets)), *prompts,
                 "--max-new-tokens", str(cfg.max_new_tokens), "--rho", rho, "--positions-top-k", "0",
                 "--no-progress", "--out", str(out),
-                *(["--prompts-file", cfg.choose_on, "--datasets", ""] if cfg.choose_on_file else
-                  ["--datasets", cfg.choose_on]),
                 *(["--target", cfg.target] if cfg.target else [])]
         parser = argparse.ArgumentParser(prog="presto-sd")
         register(parser.add_subparsers())
@@ -276,10 +291,12 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path) -> dic
     one that chose), the candidate's written into its ``presto.json``; and the verdict."""
     from presto_sd.models.assets import file_digests, write_digests
 
+    prompts = _choice_prompts(cfg, choice)
+
     def by_rho(drafter: Path, name: str) -> dict[str, dict[str, float]]:
         rhos = sorted(json.loads((drafter / "presto.json").read_text())["lambdas_by_rho"])
         return {rho: _replay(cfg, drafter, choice / f"{name}-{rho}", rho,
-                             "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD)
+                             "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD, prompts)
                 for k, rho in enumerate(rhos)}
 
     def score(taus: dict[str, float]) -> float:
