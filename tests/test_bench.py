@@ -126,6 +126,20 @@ def test_prompts_file_is_its_own_dataset(tmp_path):
     assert [(p.dataset, p.turns[0]) for p in prompts] == [("mine", "one"), ("mine", "two")]
 
 
+def test_a_prompts_files_sets_each_give_n(tmp_path):
+    """A file whose lines name their sets (the held-out mix, written set by set) gives the first
+    N of each, as --datasets does, not the file's first N."""
+    import json
+
+    from presto_sd.app.bench.cli import load_bench_prompts
+
+    f = tmp_path / "mix.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{s}{k}", "dataset": s}) + "\n"
+                         for s in "ab" for k in range(3)))
+    prompts = load_bench_prompts(build_parser().parse_args(["bench", "--prompts-file", str(f), "--n", "2"]))
+    assert [(p.dataset, p.turns[0]) for p in prompts] == [("a", "a0"), ("a", "a1"), ("b", "b0"), ("b", "b1")]
+
+
 def test_the_llama_cpp_row_is_skipped_saying_why(monkeypatch, capsys):
     """Without llama-cpp-python (an optional extra) or a GGUF, bench drops the llama-cpp row
     and prints why; with them it runs on the target's own GGUF."""

@@ -153,7 +153,8 @@ def test_prompts_file_lines_name_their_dataset(tmp_path: Path) -> None:
         ('{"prompt": "hi", "id": 1.5}', "'id'"),
         ('{"prompt": "hi", "dataset": ""}', "'dataset'"),
         ('{"prompt": "hi", "dataset": 3}', "'dataset'"),
-        ('{"prompt": "hi", "dataset": "gsm8k"}', "benchmark"),
+        ('{"prompt": "hi", "dataset": "gsm8k"}', "other than all, gsm8k"),
+        ('{"prompt": "hi", "dataset": "all"}', "other than all"),
     ],
 )
 def test_prompts_file_bad_line(tmp_path: Path, line: str, what: str) -> None:

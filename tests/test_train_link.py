@@ -88,6 +88,11 @@ def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_the_corpus_cannot_
         run_link(link_config(chain, "refused", first_shard=3))
     with pytest.raises(LinkError, match="lacks \\[4, 5\\]"):
         run_link(link_config(chain, "refused", first_shard=3, shards=3))
+    for what in ("Heldout-Mix", "nowhere.jsonl", "sharegpt,nope", ""):  # a typo fails now, not after training
+        with pytest.raises(LinkError, match="is neither heldout-mix"):
+            run_link(link_config(chain, "refused", choose_on=what))
+    with pytest.raises(LinkError, match="at least 1 prompt"):
+        run_link(link_config(chain, "refused", choose_n=0))
     with pytest.raises(LinkError, match="asks 9"):  # shards 2-3 hold 8 prompts
         run_link(link_config(chain, "refused", acceptance_prompts=9))
     with pytest.raises(LinkError, match="lies in the window 1-2"):
@@ -189,6 +194,12 @@ def test_a_link_refuses_a_malformed_or_unfilled_mix_window(chain):
     assert not (chain[0] / "refused-mix").exists()
 
 
+def file_digest(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def test_a_link_chooses_on_the_held_out_mix_by_default(chain, monkeypatch):
     """The default choice set holds code and arithmetic beside chat (the eleventh link moved
     toward chat, won on ShareGPT alone and lost math and code): written once in the link's dir,
@@ -196,21 +207,30 @@ def test_a_link_chooses_on_the_held_out_mix_by_default(chain, monkeypatch):
     from presto_sd.app.training import link
     from presto_sd.app.training.choose_set import MIX_SETS
 
-    assert LinkConfig(work="w", first_shard=0, shards=1).choose_on == "mix"
+    assert LinkConfig(work="w", first_shard=0, shards=1).choose_on == "heldout-mix"
     written = []
 
-    def small_mix(path, n):  # the real one's sets, with prompts a tiny target answers quickly
-        written.append(n)
+    def small_mix(path, n, corpora):  # the real one's sets, with prompts a tiny target answers quickly
+        written.append((n, corpora))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps({"prompt": f"Say {k}.", "dataset": name}) + "\n"
                                 for name in MIX_SETS for k in range(n)))
         return path
 
     monkeypatch.setattr(link, "write_heldout_mix", small_mix)
-    cfg = link_config(chain, "mix-choice", steps=5, choose_n=1, choose_on="mix")
+    cfg = link_config(chain, "mix-choice", steps=5, choose_n=1, choose_on="heldout-mix")
     report = run_link(cfg)
     choice = chain[0] / "mix-choice" / "choice"
     rows = json.loads((choice / "candidate-hphi" / "replay.json").read_text())["rows"]
     assert {r["dataset"] for r in rows} == {*MIX_SETS, "all"}
-    assert (choice / "heldout-mix.jsonl").is_file() and written == [1]  # one file, both drafters
-    assert run_link(cfg) == report and written == [1]
+    # one file, both drafters, none of its prompts the plans' of the corpus trained on
+    assert (choice / "heldout-mix.jsonl").is_file() and written == [(1, (str(chain[1]),))]
+    assert report["prompts"]["sha256"] == file_digest(choice / "heldout-mix.jsonl")
+    for who in ("candidate", "parent"):  # each set's taus at the drafter's best rho, in the report
+        by_set = report[who]["by_set"]
+        assert list(by_set) == list(MIX_SETS)
+        assert all(set(t) == {"presto-best-first@2", "presto-best-first@4"} for t in by_set.values())
+    assert run_link(cfg) == report and len(written) == 1
+    # a dir that chose on another set says which, to resume it
+    with pytest.raises(LinkError, match="--choose-on heldout-mix"):
+        run_link(link_config(chain, "mix-choice", steps=5, choose_n=1, choose_on="sharegpt"))

@@ -93,6 +93,8 @@ SOURCES: dict[str, DatasetSource] = {
 
 DATASETS: tuple[str, ...] = ("gsm8k", "humaneval", "mtbench", "sharegpt")
 BENCHMARKS: frozenset[str] = frozenset({"gsm8k", "humaneval", "mtbench"})
+# names a prompts file's set may not take: a benchmark's, and bench's pooled rows' ("all")
+RESERVED_SET_NAMES: frozenset[str] = BENCHMARKS | {"all"}
 SPLITS: tuple[str, ...] = ("train", "heldout")
 SHAREGPT_HELDOUT_PERCENT = 2
 
@@ -353,11 +355,14 @@ def _file_prompt(obj: Any, where: str, default_id: str, dataset: str) -> Prompt:
     pid = obj.get("id", default_id)
     if type(pid) not in (str, int):  # not bool, float, null, ...
         raise DatasetError(f"{where}: 'id' must be a string or integer")
+    named = "dataset" in obj
     dataset = obj.get("dataset", dataset)
-    if not isinstance(dataset, str) or not dataset.strip() or dataset in BENCHMARKS:
-        # a file's prompts never pass for a benchmark's: their rows would pool with its
-        raise DatasetError(f"{where}: 'dataset' must be a non-empty string other than a benchmark's name "
-                           f"({', '.join(sorted(BENCHMARKS))})")
+    if not isinstance(dataset, str) or not dataset.strip() or dataset in RESERVED_SET_NAMES:
+        # a file's prompts never pass for a benchmark's (their rows would pool with its), nor
+        # for bench's pooled rows
+        what = "'dataset'" if named else f"the file's name ({dataset!r}, its prompts' set)"
+        raise DatasetError(f"{where}: {what} must be a non-empty string other than "
+                           f"{', '.join(sorted(RESERVED_SET_NAMES))}")
     if "prompt" in obj:
         text = obj["prompt"]
         if not isinstance(text, str) or not text.strip():

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated benchmark sets (default: {DEFAULT_DATASETS}, "
                         "or none when --prompts-file is given)")
     w.add_argument("--prompts-file", default=None,
-                   help='a JSONL file of {"prompt": ...} or {"messages": [...]} (its own dataset)')
+                   help='a JSONL file of {"prompt": ...} or {"messages": [...]} (its own dataset, or '
+                        'the sets its lines name in "dataset")')
     w.add_argument("--n", type=int, default=10, help="prompts per dataset (the first N)")
     w.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
     w.add_argument("--methods", default=DEFAULT_METHODS,
@@ -100,8 +101,12 @@ def load_bench_prompts(args: argparse.Namespace) -> list:
     names = args.datasets if args.datasets is not None else (
         "" if args.prompts_file else DEFAULT_DATASETS)
     prompts = [p for ds in csv(names) for p in load_prompts(ds, "heldout", args.n)]
-    if args.prompts_file:
-        prompts.extend(load_prompts_file(args.prompts_file)[: args.n])
+    if args.prompts_file:  # the first N of each of its sets (a line's "dataset", else the file's)
+        taken: dict[str, int] = {}
+        for p in load_prompts_file(args.prompts_file):
+            if (k := taken.get(p.dataset, 0)) < args.n:
+                taken[p.dataset] = k + 1
+                prompts.append(p)
     if not prompts:
         raise SystemExit("presto-sd bench: no prompts (check --datasets / --prompts-file / --n)")
     return prompts

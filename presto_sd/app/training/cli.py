@@ -137,7 +137,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "code prompts on stdlib submodules, fresh word problems; none planned, none a "
                          "benchmark's) as a `bench --prompts-file` JSONL")
     cs.add_argument("--out", required=True, help="the JSONL file to write")
-    cs.add_argument("--n", type=int, default=24, help="prompts of each set (default: %(default)s)")
+    cs.add_argument("--n", type=int, default=LinkConfig.choose_n,
+                    help="prompts of each set (default: %(default)s)")
+    cs.add_argument("--corpora", default=DEFAULT_CORPUS,
+                    help="comma-separated corpora whose plans' prompts it leaves out, word for word "
+                         "(default: %(default)s)")
     train.set_defaults(run=run)
 
 
@@ -200,5 +204,5 @@ def run(args: argparse.Namespace) -> int:
     elif args.train_command == "choose-set":
         from presto_sd.app.training.choose_set import write_heldout_mix
 
-        print(write_heldout_mix(args.out, args.n))
+        print(write_heldout_mix(args.out, args.n, tuple(c for c in args.corpora.split(",") if c)))
     return 0

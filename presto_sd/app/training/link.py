@@ -25,8 +25,8 @@ import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from presto_sd.app.datasets import BENCHMARKS
-from presto_sd.app.training.choose_set import HELDOUT_MIX, MIX_SETS, write_heldout_mix
+from presto_sd.app.datasets import BENCHMARKS, DATASETS
+from presto_sd.app.training.choose_set import HELDOUT_MIX, file_sha256, write_heldout_mix
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
 from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES
 from presto_sd.models.assets import DIGESTS_FILE
@@ -61,7 +61,8 @@ class LinkConfig:
         "help": f"the prompts the choices are made on: '{HELDOUT_MIX}' (ShareGPT's held-out split, code "
                 "prompts on stdlib submodules and fresh word problems, --choose-n of each: `train "
                 "choose-set`), a dataset's held-out split (never a benchmark) or a JSONL prompts file"})
-    choose_n: int = field(default=24, metadata={"help": "prompts of each set chosen on"})
+    choose_n: int = field(default=24, metadata={"help": "prompts of each set chosen on (the held-out mix: "
+                                                        "3 x this many)"})
     budgets: tuple[int, ...] = (4, 16)
     max_new_tokens: int = 128
     dtype: str = "bfloat16"  # the target's, for the features (float32 on a CPU without native bf16)
@@ -124,11 +125,15 @@ def run_link(cfg: LinkConfig) -> dict:
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     settings, asked = work / "link.json", _settings(cfg)
-    if settings.is_file() and (changed := _changed(json.loads(settings.read_text()), asked)):
-        raise LinkError(f"{work} holds a link made with other settings ({', '.join(changed)}): "
+    if settings.is_file() and (changed := _changed(was := json.loads(settings.read_text()), asked)):
+        hint = (f" (it chose on {was['choose_on']!r}: --choose-on {was['choose_on']})"
+                if "choose_on" in changed and "choose_on" in was else "")
+        raise LinkError(f"{work} holds a link made with other settings ({', '.join(changed)}){hint}: "
                         "give a new --work, or the same settings to resume it")
     if not settings.is_file():
         settings.write_text(json.dumps(asked, indent=2) + "\n")
+    # written before the hours of features and training: a mix that cannot be made fails now
+    prompts = _choice_prompts(cfg, work / "choice")
     parent = Path(cfg.parent) if cfg.parent else DEFAULT_DRAFTER
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
@@ -150,7 +155,7 @@ def run_link(cfg: LinkConfig) -> dict:
     if not (candidate / DIGESTS_FILE).is_file():  # train_acceptance writes the digests last
         # its n-gram table models the target's own text: the regenerated answers only
         _acceptance(cfg, ",".join(answers), candidate, parent_config)
-    report = _choose(cfg, work / "choice", parent, candidate)
+    report = _choose(cfg, work / "choice", parent, candidate, prompts)
     (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -172,11 +177,18 @@ def _check(cfg: LinkConfig) -> None:
     from presto_sd.app.flags import csv
     from presto_sd.app.training.token_corpus import Corpus
 
-    bench = [] if cfg.choose_on_file else sorted(set(csv(cfg.choose_on)) & BENCHMARKS)
-    if bench:
+    sets = [] if cfg.choose_on == HELDOUT_MIX or cfg.choose_on_file else csv(cfg.choose_on)
+    if bench := sorted(set(sets) & BENCHMARKS):
         raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
-                        "choices are made on held-out prompts nothing trains or is judged on "
-                        "(sharegpt, or a JSONL file)")
+                        f"choices are made on held-out prompts nothing trains or is judged on "
+                        f"({HELDOUT_MIX}, sharegpt, or a JSONL file)")
+    if (unknown := [s for s in sets if s not in DATASETS]) or (cfg.choose_on != HELDOUT_MIX and not sets
+                                                               and not cfg.choose_on_file):
+        raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(unknown) or 'nothing'} is neither "
+                        f"{HELDOUT_MIX}, a dataset ({', '.join(sorted(set(DATASETS) - BENCHMARKS))}) "
+                        "nor a JSONL file")
+    if cfg.choose_n < 1:
+        raise LinkError(f"--choose-n {cfg.choose_n}: the choice needs at least 1 prompt a set")
     def lacking(held: dict, first: int, n: int) -> list[int]:
         return [i for i in range(first, first + n) if str(i) not in held]
 
@@ -254,12 +266,20 @@ def _choice_prompts(cfg: LinkConfig, choice: Path) -> list[str]:
     """``bench`` flags for the prompts the choice replays (the held-out mix written once)."""
     if cfg.choose_on == HELDOUT_MIX:
         mix = choice / "heldout-mix.jsonl"
-        if not mix.is_file():
-            write_heldout_mix(mix, cfg.choose_n)
-        return ["--prompts-file", str(mix), "--datasets", "", "--n", str(len(MIX_SETS) * cfg.choose_n)]
+        if not mix.is_file():  # none of its prompts a user turn of the plans the link trains on
+            write_heldout_mix(mix, cfg.choose_n, (cfg.corpus, *(m.corpus for m in mix_windows(cfg.mix))))
+        return ["--prompts-file", str(mix), "--datasets", "", "--n", str(cfg.choose_n)]
     if cfg.choose_on_file:
         return ["--prompts-file", cfg.choose_on, "--datasets", "", "--n", str(cfg.choose_n)]
     return ["--datasets", cfg.choose_on, "--n", str(cfg.choose_n)]
+
+
+def _prompts_record(prompts: list[str]) -> dict:
+    """What the choice replayed: its bench flags and a prompts file's sha256 (a verdict names its prompts)."""
+    record: dict = {"flags": prompts}
+    if "--prompts-file" in prompts:
+        record["sha256"] = file_sha256(prompts[prompts.index("--prompts-file") + 1])
+    return record
 
 
 def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
@@ -282,16 +302,25 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
         args.run(args)
     rows = json.loads((out / "replay.json").read_text())["rows"]
     pooled = [r for r in rows if r["dataset"] == "all"] or rows  # one set: its own rows
-    return {r["method"] + (f"@{r['budget']}" if r["budget"] else ""): round(r["tau"], 4) for r in pooled}
+    return _taus(pooled)
 
 
-def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path) -> dict:
+def _taus(rows: list[dict]) -> dict[str, float]:
+    return {r["method"] + (f"@{r['budget']}" if r["budget"] else ""): round(r["tau"], 4) for r in rows}
+
+
+def _by_set(out: Path) -> dict[str, dict[str, float]]:
+    """A replay's ``CHOICE_METHOD`` taus per prompt set (the mix's three; one set reads as itself)."""
+    rows = [r for r in json.loads((out / "replay.json").read_text())["rows"] if r["method"] == CHOICE_METHOD]
+    return {ds: _taus([r for r in rows if r["dataset"] == ds])
+            for ds in dict.fromkeys(r["dataset"] for r in rows) if ds != "all"}
+
+
+def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompts: list[str]) -> dict:
     """Each drafter at its best rho on the held-out prompts (presto-best-first tau averaged
     over the budgets; both get the same choice, so the verdict is not tilted towards the
     one that chose), the candidate's written into its ``presto.json``; and the verdict."""
     from presto_sd.models.assets import file_digests, write_digests
-
-    prompts = _choice_prompts(cfg, choice)
 
     def by_rho(drafter: Path, name: str) -> dict[str, dict[str, float]]:
         rhos = sorted(json.loads((drafter / "presto.json").read_text())["lambdas_by_rho"])
@@ -316,8 +345,12 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path) -> dic
     wins = score(mine[rho]) > score(theirs[parent_rho])
     return {
         "config": _settings(cfg),
-        "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs},
-        "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine},
+        "prompts": _prompts_record(prompts),
+        # by_set: at the drafter's best rho, a set each (a link can win pooled and lose code)
+        "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs,
+                   "by_set": _by_set(choice / f"parent-{parent_rho}")},
+        "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine,
+                      "by_set": _by_set(choice / f"candidate-{rho}")},
         "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best rho",
                   "parent": round(score(theirs[parent_rho]), 4), "candidate": round(score(mine[rho]), 4)},
         "wins": wins,
