@@ -15,7 +15,7 @@ from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.link import LinkConfig, LinkError, run_link
 from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 from presto_sd.models.assets import file_digests
-from presto_sd.models.loading import load_target
+from presto_sd.models.loading import load_target, sha256_of
 
 GROW = dict(sources="code,arith", n_code=8, n_arith=8, max_new_tokens=24, batch_size=4, dtype="float32")
 
@@ -194,12 +194,6 @@ def test_a_link_refuses_a_malformed_or_unfilled_mix_window(chain):
     assert not (chain[0] / "refused-mix").exists()
 
 
-def file_digest(path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def test_a_link_chooses_on_the_held_out_mix_by_default(chain, monkeypatch):
     """The default choice set holds code and arithmetic beside chat (the eleventh link moved
     toward chat, won on ShareGPT alone and lost math and code): written once in the link's dir,
@@ -225,7 +219,7 @@ def test_a_link_chooses_on_the_held_out_mix_by_default(chain, monkeypatch):
     assert {r["dataset"] for r in rows} == {*MIX_SETS, "all"}
     # one file, both drafters, none of its prompts the plans' of the corpus trained on
     assert (choice / "heldout-mix.jsonl").is_file() and written == [(1, (str(chain[1]),))]
-    assert report["prompts"]["sha256"] == file_digest(choice / "heldout-mix.jsonl")
+    assert report["prompts"]["sha256"] == sha256_of(choice / "heldout-mix.jsonl")
     for who in ("candidate", "parent"):  # each set's taus at the drafter's best rho, in the report
         by_set = report[who]["by_set"]
         assert list(by_set) == list(MIX_SETS)

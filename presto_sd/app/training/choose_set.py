@@ -105,7 +105,3 @@ def write_heldout_mix(path: str | os.PathLike[str], n: int, corpora: tuple[str, 
     tmp.write_text("".join(json.dumps(r) + "\n" for r in heldout_mix(n, corpora, seed)), encoding="utf-8")
     tmp.replace(path)
     return path
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS, DATASETS
-from presto_sd.app.training.choose_set import HELDOUT_MIX, file_sha256, write_heldout_mix
+from presto_sd.app.training.choose_set import HELDOUT_MIX, write_heldout_mix
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
 from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES
 from presto_sd.models.assets import DIGESTS_FILE
@@ -177,18 +177,19 @@ def _check(cfg: LinkConfig) -> None:
     from presto_sd.app.flags import csv
     from presto_sd.app.training.token_corpus import Corpus
 
-    sets = [] if cfg.choose_on == HELDOUT_MIX or cfg.choose_on_file else csv(cfg.choose_on)
-    if bench := sorted(set(sets) & BENCHMARKS):
-        raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
-                        f"choices are made on held-out prompts nothing trains or is judged on "
-                        f"({HELDOUT_MIX}, sharegpt, or a JSONL file)")
-    if (unknown := [s for s in sets if s not in DATASETS]) or (cfg.choose_on != HELDOUT_MIX and not sets
-                                                               and not cfg.choose_on_file):
-        raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(unknown) or 'nothing'} is neither "
-                        f"{HELDOUT_MIX}, a dataset ({', '.join(sorted(set(DATASETS) - BENCHMARKS))}) "
-                        "nor a JSONL file")
+    if cfg.choose_on != HELDOUT_MIX and not cfg.choose_on_file:  # datasets' held-out splits
+        sets = csv(cfg.choose_on)
+        if bench := sorted(set(sets) & BENCHMARKS):
+            raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(bench)} is a benchmark set; a link's "
+                            f"choices are made on held-out prompts nothing trains or is judged on "
+                            f"({HELDOUT_MIX}, sharegpt, or a JSONL file)")
+        if not sets or (unknown := [s for s in sets if s not in DATASETS]):
+            known = ", ".join(sorted(set(DATASETS) - BENCHMARKS))
+            raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(unknown) if sets else 'nothing'} is "
+                            f"neither {HELDOUT_MIX}, a dataset ({known}) nor a JSONL file")
     if cfg.choose_n < 1:
         raise LinkError(f"--choose-n {cfg.choose_n}: the choice needs at least 1 prompt a set")
+
     def lacking(held: dict, first: int, n: int) -> list[int]:
         return [i for i in range(first, first + n) if str(i) not in held]
 
@@ -268,17 +269,21 @@ def _choice_prompts(cfg: LinkConfig, choice: Path) -> list[str]:
         mix = choice / "heldout-mix.jsonl"
         if not mix.is_file():  # none of its prompts a user turn of the plans the link trains on
             write_heldout_mix(mix, cfg.choose_n, (cfg.corpus, *(m.corpus for m in mix_windows(cfg.mix))))
-        return ["--prompts-file", str(mix), "--datasets", "", "--n", str(cfg.choose_n)]
-    if cfg.choose_on_file:
-        return ["--prompts-file", cfg.choose_on, "--datasets", "", "--n", str(cfg.choose_n)]
-    return ["--datasets", cfg.choose_on, "--n", str(cfg.choose_n)]
+        source = ["--prompts-file", str(mix), "--datasets", ""]
+    elif cfg.choose_on_file:
+        source = ["--prompts-file", cfg.choose_on, "--datasets", ""]
+    else:
+        source = ["--datasets", cfg.choose_on]
+    return [*source, "--n", str(cfg.choose_n)]
 
 
 def _prompts_record(prompts: list[str]) -> dict:
     """What the choice replayed: its bench flags and a prompts file's sha256 (a verdict names its prompts)."""
     record: dict = {"flags": prompts}
     if "--prompts-file" in prompts:
-        record["sha256"] = file_sha256(prompts[prompts.index("--prompts-file") + 1])
+        from presto_sd.models.loading import sha256_of
+
+        record["sha256"] = sha256_of(Path(prompts[prompts.index("--prompts-file") + 1]))
     return record
 
 
