@@ -170,7 +170,8 @@ def plot() -> Path:
                  "then 3000 more on 0.87 M (2026-12-06 05:00); hexagons, + written answers: 3000 more "
                  "on 0.92 M new regenerated + 0.77 M written tokens (12:00),\non 0.57 M + 0.47 M (15:50), "
                  "on 0.56 M regenerated seen by the 2.0 M drafter + 0.48 M written (18:18),\n"
-                 "then on the next 0.57 M seen + 0.48 M written (21:10; x counts new tokens only);\n"
+                 "then on the next 0.57 M seen + 0.48 M written (21:10; x counts new tokens only), "
+                 "then 5500 more on the next 0.57 M seen + 0.47 M written + 0.94 M magpie (2026-12-07);\n"
                  "the warm starts' replays are bf16 on an AMD EPYC, the others fp32 on an Intel AMX",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.24, 1, 0.9))
