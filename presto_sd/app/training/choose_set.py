@@ -24,6 +24,8 @@ import json
 import os
 from pathlib import Path
 
+from presto_sd.app.training.token_corpus import write_atomically
+
 HELDOUT_MIX = "heldout-mix"  # the name `train link --choose-on` knows it by
 MIX_SETS = ("sharegpt-heldout", "code-heldout", "arith-heldout")
 HELDOUT_SEED = 1  # the plans draw with seed 0
@@ -101,7 +103,5 @@ def write_heldout_mix(path: str | os.PathLike[str], n: int, corpora: tuple[str, 
     """The mix written to ``path`` (a JSONL prompts file), whole or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in heldout_mix(n, corpora, seed)), encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(path, "".join(json.dumps(r) + "\n" for r in heldout_mix(n, corpora, seed)).encode())
     return path

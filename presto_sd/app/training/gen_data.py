@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from presto_sd.app.training.token_corpus import write_atomically
 from presto_sd.models.loading import cache_kwarg, encode_messages, load_target
 
 
@@ -102,9 +103,7 @@ def plan_batches(cfg: GenDataConfig, tok, cache: Path | None = None) -> list[lis
 
 def _cache_plan(cache: Path | None, key: dict, batches: list, cfg: GenDataConfig) -> list:
     if cache is not None:
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "batches": batches}))
-        tmp.rename(cache)
+        write_atomically(cache, json.dumps({"key": key, "batches": batches}).encode())
     return batches[: cfg.max_batches] if cfg.max_batches else batches
 
 

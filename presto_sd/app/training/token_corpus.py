@@ -148,7 +148,7 @@ class Corpus:
         """Write shard ``index`` and its manifest entry; returns the entry."""
         data = encode_shard(shard)
         path = self.shard_path(index)
-        _replace(path, data)
+        write_atomically(path, data)
         entry = {"file": path.name, "sha256": sha256_bytes(data), "bytes": len(data),
                  "sequences": len(shard.item_ids), "tokens": shard.n_tokens,
                  "response_tokens": shard.n_response_tokens, **made_by}
@@ -184,7 +184,7 @@ class Corpus:
         _write_json(self.manifest_path, m)
 
 
-def _replace(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """``path`` holds ``data``, written atomically (a tmp file, then a rename)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)
@@ -192,7 +192,7 @@ def _replace(path: Path, data: bytes) -> None:
 
 
 def _write_json(path: Path, m: dict) -> None:
-    _replace(path, (json.dumps(m, indent=1, sort_keys=True) + "\n").encode())
+    write_atomically(path, (json.dumps(m, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _differs(old: dict, new: dict) -> str:
@@ -240,7 +240,7 @@ class PromptChunks:
     def write(self, index: int, requests: list[str], sampled: int, made: dict) -> None:
         data = lzma.compress("".join(json.dumps({"text": r}) + "\n" for r in requests).encode(), preset=9)
         path = self.root / f"chunk_{index:05d}.jsonl.xz"
-        _replace(path, data)
+        write_atomically(path, data)
         m = self.manifest()
         m["chunks"][str(index)] = {"file": path.name, "sha256": sha256_bytes(data),
                                    "sampled": sampled, "kept": len(requests), **made}
