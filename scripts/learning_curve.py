@@ -12,6 +12,7 @@ A point already in the file is skipped, so the script resumes where it stopped.
     nice -n 10 .venv/bin/python scripts/learning_curve.py --sizes 500000,1000000,2000000 \\
         --steps 3000 --soft-weight 0.5
     .venv/bin/python scripts/learning_curve.py --plot
+    .venv/bin/python scripts/learning_curve.py --fit    # where each target of issue 27 falls on it
 
 A warm point (``--warm-from DRAFTER --warm-skip-shards N``) starts from a trained drafter
 (its weights and token map) and trains on ``size`` response tokens of the shards after its
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -119,6 +121,60 @@ def _taus(replay: dict) -> dict:
     return taus
 
 
+# issue 27's targets on the curve's axes: (metric, prompt set) -> the value to reach
+TARGETS = {("linear", "gsm8k"): 2.3, ("linear", "humaneval"): 2.3, ("presto-best-first@16", "all"): 3.0,
+           ("top1", "gsm8k"): 0.65, ("top1", "humaneval"): 0.65, ("top1", "mtbench"): 0.65}
+
+
+def _metric(row: dict, metric: str, dataset: str) -> float | None:
+    table = row.get("top1") if metric == "top1" else (row.get("tau") or {}).get(metric)
+    value = table.get(dataset) if isinstance(table, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def fit(rows: list[dict], min_tokens: float = 3e6) -> list[dict]:
+    """Each target's metric fitted by least squares on log2(response tokens) over the bf16
+    points from ``min_tokens`` on: its gain a doubling, and the tokens where the line reaches
+    the target (None where the line does not rise)."""
+    out = []
+    for (metric, dataset), target in TARGETS.items():
+        pts = [(math.log2(r["response_tokens"]), v) for r in rows
+               if r.get("bf16_training") and (r.get("response_tokens") or 0) >= min_tokens
+               and (v := _metric(r, metric, dataset)) is not None]
+        if len(pts) < 2:
+            continue
+        mx, my = (sum(c) / len(pts) for c in zip(*pts))
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        reach = 2 ** (mx + (target - my) / slope) if slope > 0 else None
+        out.append({"metric": metric, "dataset": dataset, "target": target, "points": len(pts),
+                    "per_doubling": slope, "reaches_at_tokens": reach})
+    return out
+
+
+def lead_over_marginal(rows: list[dict], budget: int = 16) -> list[tuple[int, dict[str, float]]]:
+    """presto-best-first over marginal at ``budget``, per prompt set, at each point that has both."""
+    out = []
+    for r in rows:
+        presto, marginal = (r.get("tau", {}).get(f"{m}@{budget}") for m in ("presto-best-first", "marginal"))
+        if isinstance(presto, dict) and isinstance(marginal, dict) and r.get("response_tokens"):
+            out.append((r["response_tokens"], {ds: presto[ds] / marginal[ds] for ds in marginal
+                                               if presto.get(ds) and marginal.get(ds)}))
+    return out
+
+
+def print_fit(min_tokens: float) -> None:
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    print(f"least squares on log2 response tokens, bf16 points from {min_tokens / 1e6:g} M "
+          "(8 prompts a set: a rough guide)")
+    for f in fit(rows, min_tokens):
+        reach = f"{f['reaches_at_tokens'] / 1e6:.1f} M" if f["reaches_at_tokens"] else "never (not rising)"
+        print(f"  {f['metric']:>22} {f['dataset']:<10} {f['per_doubling']:+.3f} a doubling "
+              f"({f['points']} points): {f['target']} at {reach}")
+    print("presto-best-first@16 / marginal@16, per point:")
+    for tokens, lead in lead_over_marginal(rows):
+        print(f"  {tokens / 1e6:6.2f} M  " + "  ".join(f"{ds} {v:.3f}" for ds, v in lead.items()))
+
+
 def plot() -> Path:
     import matplotlib
 
@@ -196,6 +252,11 @@ def main() -> None:
                         "parent's map): with --warm-from, a new map of N tokens (train drafter --revocab)")
     p.add_argument("--bf16", action="store_true", help="train with bf16 autocast (train drafter --bf16)")
     p.add_argument("--plot", action="store_true", help="only draw the plot from the results file")
+    p.add_argument("--fit", action="store_true",
+                   help="only print each target's gain a doubling and where its fitted line reaches it, "
+                        "and presto-best-first's lead over marginal at each point")
+    p.add_argument("--fit-from", type=float, default=3e6, metavar="TOKENS",
+                   help="with --fit: the fewest response tokens a fitted point has (default 3e6)")
     p.add_argument("--add-shipped", metavar="REPLAY_JSON",
                    help="record the shipped drafter's replay (bench --replay with the same flags) as size 0")
     args = p.parse_args()
@@ -211,6 +272,9 @@ def main() -> None:
         return
     if args.plot:
         print(plot())
+        return
+    if args.fit:
+        print_fit(args.fit_from)
         return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for size in (int(s) for s in args.sizes.split(",")):
