@@ -288,9 +288,9 @@ def _prompts_record(prompts: list[str]) -> dict:
 
 
 def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
-            prompts: list[str]) -> dict[str, float]:
+            prompts: list[str]) -> list[dict]:
     """``bench --replay`` of ``drafter`` with ``rho`` on ``prompts`` (its output kept in ``out``):
-    pooled tau per method and budget."""
+    its rows (a method, budget and prompt set each)."""
     if not (out / "replay.json").is_file():
         import argparse
 
@@ -305,18 +305,21 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
         register(parser.add_subparsers())
         args = parser.parse_args(argv)
         args.run(args)
-    rows = json.loads((out / "replay.json").read_text())["rows"]
-    pooled = [r for r in rows if r["dataset"] == "all"] or rows  # one set: its own rows
-    return _taus(pooled)
+    return json.loads((out / "replay.json").read_text())["rows"]
+
+
+def _pooled(rows: list[dict]) -> dict[str, float]:
+    """Tau per method and budget over every prompt (one set: its own rows)."""
+    return _taus([r for r in rows if r["dataset"] == "all"] or rows)
 
 
 def _taus(rows: list[dict]) -> dict[str, float]:
     return {r["method"] + (f"@{r['budget']}" if r["budget"] else ""): round(r["tau"], 4) for r in rows}
 
 
-def _by_set(out: Path) -> dict[str, dict[str, float]]:
+def _by_set(rows: list[dict]) -> dict[str, dict[str, float]]:
     """A replay's ``CHOICE_METHOD`` taus per prompt set (the mix's three; one set reads as itself)."""
-    rows = [r for r in json.loads((out / "replay.json").read_text())["rows"] if r["method"] == CHOICE_METHOD]
+    rows = [r for r in rows if r["method"] == CHOICE_METHOD]
     return {ds: _taus([r for r in rows if r["dataset"] == ds])
             for ds in dict.fromkeys(r["dataset"] for r in rows) if ds != "all"}
 
@@ -327,7 +330,7 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
     one that chose), the candidate's written into its ``presto.json``; and the verdict."""
     from presto_sd.models.assets import file_digests, write_digests
 
-    def by_rho(drafter: Path, name: str) -> dict[str, dict[str, float]]:
+    def by_rho(drafter: Path, name: str) -> dict[str, list[dict]]:
         rhos = sorted(json.loads((drafter / "presto.json").read_text())["lambdas_by_rho"])
         return {rho: _replay(cfg, drafter, choice / f"{name}-{rho}", rho,
                              "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD, prompts)
@@ -336,7 +339,8 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
     def score(taus: dict[str, float]) -> float:
         return sum(taus[f"{CHOICE_METHOD}@{b}"] for b in cfg.budgets) / len(cfg.budgets)
 
-    mine, theirs = by_rho(candidate, "candidate"), by_rho(parent, "parent")
+    my_rows, their_rows = by_rho(candidate, "candidate"), by_rho(parent, "parent")
+    mine, theirs = ({rho: _pooled(rows) for rho, rows in t.items()} for t in (my_rows, their_rows))
     rho, parent_rho = (max(t, key=lambda r: score(t[r])) for t in (mine, theirs))
     presto_file = candidate / "presto.json"
     presto = json.loads(presto_file.read_text())
@@ -353,9 +357,9 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
         "prompts": _prompts_record(prompts),
         # by_set: at the drafter's best rho, a set each (a link can win pooled and lose code)
         "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs,
-                   "by_set": _by_set(choice / f"parent-{parent_rho}")},
+                   "by_set": _by_set(their_rows[parent_rho])},
         "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine,
-                      "by_set": _by_set(choice / f"candidate-{rho}")},
+                      "by_set": _by_set(my_rows[rho])},
         "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best rho",
                   "parent": round(score(theirs[parent_rho]), 4), "candidate": round(score(mine[rho]), 4)},
         "wins": wins,
