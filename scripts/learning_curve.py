@@ -121,8 +121,10 @@ def _taus(replay: dict) -> dict:
     return taus
 
 
-# issue 27's targets on the curve's axes: (metric, prompt set) -> the value to reach
-TARGETS = {("linear", "gsm8k"): 2.3, ("linear", "humaneval"): 2.3, ("presto-best-first@16", "all"): 3.0,
+# issue 27's targets on the curve's axes: (metric, prompt set) -> the value to reach; pooled
+# linear is no target, but the axis the fits before 2026-12-07 read
+TARGETS = {("linear", "gsm8k"): 2.3, ("linear", "humaneval"): 2.3, ("linear", "all"): 2.3,
+           ("presto-best-first@16", "all"): 3.0,
            ("top1", "gsm8k"): 0.65, ("top1", "humaneval"): 0.65, ("top1", "mtbench"): 0.65}
 
 
@@ -135,27 +137,29 @@ def _metric(row: dict, metric: str, dataset: str) -> float | None:
 def fit(rows: list[dict], min_tokens: float = 3e6) -> list[dict]:
     """Each target's metric fitted by least squares on log2(response tokens) over the bf16
     points from ``min_tokens`` on: its gain a doubling, and the tokens where the line reaches
-    the target (None where the line does not rise)."""
+    the target (None where the line does not rise), or ``met`` where the last point reads it."""
     out = []
     for (metric, dataset), target in TARGETS.items():
         pts = [(math.log2(r["response_tokens"]), v) for r in rows
                if r.get("bf16_training") and (r.get("response_tokens") or 0) >= min_tokens
                and (v := _metric(r, metric, dataset)) is not None]
-        if len(pts) < 2:
+        if len({x for x, _ in pts}) < 2:  # one size only: no slope
             continue
         mx, my = (sum(c) / len(pts) for c in zip(*pts))
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         reach = 2 ** (mx + (target - my) / slope) if slope > 0 else None
         out.append({"metric": metric, "dataset": dataset, "target": target, "points": len(pts),
-                    "per_doubling": slope, "reaches_at_tokens": reach})
+                    "per_doubling": slope, "reaches_at_tokens": reach, "met": max(pts)[1] >= target})
     return out
 
 
-def lead_over_marginal(rows: list[dict], budget: int = 16) -> list[tuple[int, dict[str, float]]]:
-    """presto-best-first over marginal at ``budget``, per prompt set, at each point that has both."""
+def lead_over_marginal(rows: list[dict], budget: int = 16) -> list[tuple[float, dict[str, float]]]:
+    """presto-best-first over marginal at ``budget``, per prompt set, at each point that has both
+    (the shipped drafter's row, of unknown size, is left out)."""
     out = []
     for r in rows:
-        presto, marginal = (r.get("tau", {}).get(f"{m}@{budget}") for m in ("presto-best-first", "marginal"))
+        taus = r.get("tau") or {}
+        presto, marginal = (taus.get(f"{m}@{budget}") for m in ("presto-best-first", "marginal"))
         if isinstance(presto, dict) and isinstance(marginal, dict) and r.get("response_tokens"):
             out.append((r["response_tokens"], {ds: presto[ds] / marginal[ds] for ds in marginal
                                                if presto.get(ds) and marginal.get(ds)}))
@@ -163,11 +167,13 @@ def lead_over_marginal(rows: list[dict], budget: int = 16) -> list[tuple[int, di
 
 
 def print_fit(min_tokens: float) -> None:
+    """``--fit``: the fits and the leads, one line each."""
     rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
     print(f"least squares on log2 response tokens, bf16 points from {min_tokens / 1e6:g} M "
           "(8 prompts a set: a rough guide)")
     for f in fit(rows, min_tokens):
-        reach = f"{f['reaches_at_tokens'] / 1e6:.1f} M" if f["reaches_at_tokens"] else "never (not rising)"
+        reach = ("met at the last point" if f["met"] else
+                 f"{f['reaches_at_tokens'] / 1e6:.1f} M" if f["reaches_at_tokens"] else "never (not rising)")
         print(f"  {f['metric']:>22} {f['dataset']:<10} {f['per_doubling']:+.3f} a doubling "
               f"({f['points']} points): {f['target']} at {reach}")
     print("presto-best-first@16 / marginal@16, per point:")

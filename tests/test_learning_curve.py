@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _curve():
+def _curve() -> ModuleType:
     spec = importlib.util.spec_from_file_location("learning_curve", ROOT / "scripts" / "learning_curve.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -36,13 +36,25 @@ def test_fit_reads_the_gain_a_doubling_and_where_the_line_reaches_the_target():
     assert linear["points"] == 2
     assert linear["per_doubling"] == pytest.approx(0.1)
     assert linear["reaches_at_tokens"] == pytest.approx(32e6)
+    assert not linear["met"]
     # top-1 flat at 0.5: its line never reaches 0.65
     assert fits[("top1", "gsm8k")]["reaches_at_tokens"] is None
     assert ("linear", "humaneval") not in fits  # no point has it
+    # two points of one size: no slope to fit
+    assert curve.fit([_row(4e6, 2.0, 2.8, 2.7), _row(4e6, 2.1, 2.9, 2.8)]) == []
+
+
+def test_a_target_the_last_point_reads_is_met_even_where_the_line_falls():
+    curve = _curve()
+    rows = [_row(4e6, 2.5, 3.1, 2.7), _row(8e6, 2.4, 3.0, 2.8)]
+    fits = {(f["metric"], f["dataset"]): f for f in curve.fit(rows)}
+    assert fits[("linear", "gsm8k")]["met"] and fits[("linear", "gsm8k")]["reaches_at_tokens"] is None
+    assert fits[("presto-best-first@16", "all")]["met"]
 
 
 def test_lead_over_marginal_is_the_ratio_at_each_point():
     curve = _curve()
-    lead = curve.lead_over_marginal([_row(4e6, 2.0, 3.0, 2.5), {"response_tokens": None, "tau": {}}])
+    # the shipped drafter's row has every tau but no size: left out
+    shipped = {**_row(4e6, 2.0, 3.0, 2.5), "response_tokens": None}
+    lead = curve.lead_over_marginal([_row(4e6, 2.0, 3.0, 2.5), shipped])
     assert lead == [(4e6, {"gsm8k": pytest.approx(1.2), "all": pytest.approx(1.2)})]
-    assert math.isclose(lead[0][1]["gsm8k"], 3.0 / 2.5)

@@ -185,8 +185,8 @@ class Corpus:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """``path`` holds ``data``, written atomically (a tmp file, then a rename)."""
-    tmp = path.with_suffix(".tmp")
+    """``path`` holds ``data``, written atomically (a tmp file beside it, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")  # never another file's name (foo.jsonl -> foo.jsonl.tmp)
     tmp.write_bytes(data)
     tmp.rename(path)
 
