@@ -54,10 +54,15 @@ def point_name(size: int, args: argparse.Namespace) -> str:
     return f"{warm}{size // 1000}k-s{args.steps}-soft{args.soft_weight:g}{vocab}{bf16}"
 
 
-def done_points() -> set[str]:
+def result_rows() -> list[dict]:
+    """Every point in the results file (none before the first)."""
     if not RESULTS.exists():
-        return set()
-    return {json.loads(line)["name"] for line in RESULTS.read_text().splitlines() if line.strip()}
+        return []
+    return [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+
+
+def done_points() -> set[str]:
+    return {r["name"] for r in result_rows()}
 
 
 def run_point(size: int, args: argparse.Namespace) -> dict:
@@ -168,7 +173,7 @@ def lead_over_marginal(rows: list[dict], budget: int = 16) -> list[tuple[float, 
 
 def print_fit(min_tokens: float) -> None:
     """``--fit``: the fits and the leads, one line each."""
-    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    rows = result_rows()
     print(f"least squares on log2 response tokens, bf16 points from {min_tokens / 1e6:g} M "
           "(8 prompts a set: a rough guide)")
     for f in fit(rows, min_tokens):
@@ -188,7 +193,7 @@ def plot() -> Path:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    rows = result_rows()
     fig, axes = plt.subplots(1, 3, figsize=(15, 6.6))
     panels = (("position-1 top-1", lambda r, ds: r["top1"][ds]),
               ("linear tau", lambda r, ds: r["tau"]["linear"][ds]),
