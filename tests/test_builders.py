@@ -19,7 +19,14 @@ from presto_sd.method.builders import (
     build_tree,
 )
 from presto_sd.method.ngram import NGramModel
-from presto_sd.method.scores import ConstantRho, DraftMarginals, NGramRho, ScoringContext
+from presto_sd.method.scores import (
+    ConstantRho,
+    DraftMarginals,
+    NGramRho,
+    PrefixProposalRho,
+    PrefixRho,
+    ScoringContext,
+)
 from presto_sd.method.tree import TokenTree, TreeError, TreeLimits
 
 
@@ -132,6 +139,35 @@ def test_rho_reorders_paths():
     ctx = ScoringContext(m, [5, first0], ng)
     b = build_presto_beam_tree(5, ctx, NGramRho(), TreeParams(budget=2, depth=2, branching=1, beam=1))
     assert b.tree.tokens == (5, first0, second)
+
+
+def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
+    """``prefix-ngram``: a node's children are the top-K of the head's conditional given
+    that node's token (not the marginal's top-K at its depth), with that conditional as
+    their ``log q``; lambda 0 is best-first on the conditional alone."""
+    vocab, hidden = 12, 8
+    m = random_marginals(3, 3, vocab=vocab, seed=5)
+    draft_ids = torch.arange(2, vocab)  # target ids 0 and 1 lie outside the draft vocabulary
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(len(draft_ids))
+    draft_head = torch.zeros(len(draft_ids), hidden)  # the marginal is flat: the parent decides
+
+    def transition(h: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(parent), len(draft_ids))  # draft id p -> p + 1 (mod Vd), strongly
+        out[torch.arange(len(parent)), (parent.clamp_min(0) + 1) % len(draft_ids)] = 8.0
+        return out
+
+    prefix = PrefixRho(draft_head, t2d, transition)
+    assert torch.equal(prefix.d2t, draft_ids)
+    rho = PrefixProposalRho(prefix, NGramRho())
+    anchor = 4
+    built = build_presto_best_first_tree(anchor, ctx_for(m, [1, 2, anchor]), rho,
+                                         TreeParams(budget=3, depth=3, lambdas=(0.0,)))
+    assert built.tree.tokens == (anchor, 5, 6, 7)  # the chain each parent's conditional names
+    assert built.path_scores[1] == pytest.approx(float(prefix.conditional(
+        ctx_for(m, [anchor]), 1, [[]])[0, t2d[5]]))
+    tokens, log_q = rho.propose(ctx_for(m, [anchor]), 2, [[5], [9]], 3)
+    assert tokens[:, 0].tolist() == [6, 10] and bool((log_q[:, :1] > log_q[:, 1:]).all())
 
 
 def test_unknown_method_and_missing_rho():

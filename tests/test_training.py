@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -128,7 +129,7 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     assert torch.equal(again.d2t, model.d2t)
 
     stack = build_embedded(str(tiny_target_dir), str(drafter_dir), device=torch.device("cpu"))
-    assert "prefix" in stack.drafter.rho_providers
+    assert {"prefix", "prefix-ngram"} <= set(stack.drafter.rho_providers)
     prompt = [1, 2, 3, 4, 5]
     ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
     from presto_sd.app.bench.replay import position_stats, record
@@ -137,11 +138,12 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
                            progress=False).summary()
     cond = stats["prefix_recall"]
     assert len(cond["1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(cond["1"], cond["4"]))
-    for method in ("presto-beam", "presto-best-first", "taps"):
-        tree = TreeParams(budget=6, rho="prefix", lambdas=(1.0,))
+    for method, rho in itertools.product(("presto-beam", "presto-best-first", "taps"),
+                                         ("prefix", "prefix-ngram")):
+        tree = TreeParams(budget=6, rho=rho, lambdas=(1.0,))
         res = generate(stack.verifier, stack.drafter, prompt,
                        GenerationParams(method=method, tree=tree, max_new_tokens=12))
-        assert res.token_ids == ar.token_ids, method
+        assert res.token_ids == ar.token_ids, (method, rho)
 
 
 def test_warm_start_with_a_new_token_map(tiny_target_dir, tmp_path):

@@ -32,6 +32,7 @@ from presto_sd.method.scores import (
     ConstantRho,
     DraftMarginals,
     NGramRho,
+    PrefixProposalRho,
     PrefixRho,
     RhoProvider,
     ScoringContext,
@@ -94,8 +95,11 @@ class DFlashDrafter(CheckedDrafter):
             d2t = self.d2t if self.d2t is not None else torch.arange(self.vocab_size, device=lm_head.device)
             t2d[d2t] = torch.arange(len(d2t), device=lm_head.device)
             head = model.prefix_head
-            self.rho_providers["prefix"] = PrefixRho(
-                self.draft_head, t2d, lambda h, parent: head(h.to(head.next.dtype), parent))
+            prefix = PrefixRho(self.draft_head, t2d, lambda h, parent: head(h.to(head.next.dtype), parent))
+            ngram = self.rho_providers["ngram"]
+            self.rho_providers["prefix"] = prefix
+            if isinstance(ngram, NGramRho):  # children from the head's conditional, the n-gram on top
+                self.rho_providers["prefix-ngram"] = PrefixProposalRho(prefix, ngram)
         self.max_sessions = max_sessions
         self.name, self.defaults = name, defaults or DrafterDefaults()
         self.max_context = max_context

@@ -125,14 +125,22 @@ class NodeScorer:
         self, depth: int, prefixes: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate tokens [P, K] and their scores s [P, K] at ``depth``."""
-        m = self.ctx.marginals
-        tokens = m.token_ids[depth - 1].expand(len(prefixes), -1)
-        log_q = m.log_probs[depth - 1].float().expand(len(prefixes), -1)
+        tokens, log_q = self.candidates(depth, prefixes)
         lam = self.lambdas(depth)
         if self.rho is None or lam == 0.0:
             return tokens, log_q
         log_rho = self.rho.log_rho(self.ctx, depth, prefixes, tokens, log_q)
         return tokens, prefix_aligned_scores(log_q, log_rho, lam)
+
+    def candidates(self, depth: int, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prefix's candidate children [P, K] and their ``log q`` [P, K]: the marginal's
+        top-K at every node, or the rho provider's own per-parent proposal where it has one."""
+        m = self.ctx.marginals
+        propose = getattr(self.rho, "propose", None)
+        if propose is not None:
+            return propose(self.ctx, depth, prefixes, m.top_k)
+        return (m.token_ids[depth - 1].expand(len(prefixes), -1),
+                m.log_probs[depth - 1].float().expand(len(prefixes), -1))
 
 
 class AcceptanceScorer(NodeScorer):
@@ -150,9 +158,7 @@ class AcceptanceScorer(NodeScorer):
         self.raw_log_a: dict[tuple[int, ...], float] = {}  # drafted path -> raw log a(last node)
 
     def child_scores(self, depth: int, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.ctx.marginals
-        tokens = m.token_ids[depth - 1].expand(len(prefixes), -1)
-        log_q = m.log_probs[depth - 1].float().expand(len(prefixes), -1)
+        tokens, log_q = self.candidates(depth, prefixes)
         log_a = log_q if self.rho is None else self.rho.log_rho(self.ctx, depth, prefixes, tokens, log_q)
         raw = log_a.clamp(max=0.0)
         for prefix, toks, row in zip(prefixes, tokens.tolist(), raw.tolist()):

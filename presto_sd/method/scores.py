@@ -237,9 +237,16 @@ class PrefixRho:
     t2d: torch.Tensor  # long [V]
     transition: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     name: str = "prefix"
+    d2t: torch.Tensor = field(init=False, repr=False)  # long [Vd]: t2d's inverse
+
+    def __post_init__(self) -> None:
+        ids = self.t2d.ge(0).nonzero()[:, 0]
+        self.d2t = torch.empty(self.draft_head.shape[0], dtype=torch.long, device=ids.device)
+        self.d2t[self.t2d[ids]] = ids
 
     @torch.no_grad()
-    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+    def conditional(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]]) -> torch.Tensor:
+        """``log q_d(. | parent)`` [P, Vd] over the draft vocabulary, one row a prefix."""
         m = ctx.marginals
         if m.hidden is None:
             raise ValueError("the prefix rho provider needs the drafter's hidden states")
@@ -250,10 +257,38 @@ class PrefixRho:
         h, logits = ctx.memo[key]
         parents = torch.tensor([p[-1] if p else ctx.context_tokens[-1] for p in prefixes], dtype=torch.long)
         cond = logits[None] + self.transition(h.expand(len(prefixes), -1), self.t2d[parents]).float()
-        logp = torch.log_softmax(cond, dim=-1)  # [P, Vd]
+        return torch.log_softmax(cond, dim=-1)
+
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        logp = self.conditional(ctx, depth, prefixes)  # [P, Vd]
         cand = self.t2d[candidates]  # [P, C]; a candidate outside the draft vocabulary has q = 0
         floor = math.log(RHO_FLOOR)
         return logp.gather(1, cand.clamp_min(0)).clamp(min=floor).masked_fill(cand < 0, floor)
+
+
+@dataclass
+class PrefixProposalRho:
+    """Children drawn from the prefix head's conditional, scored by the n-gram against it.
+
+    ``PrefixRho`` rescores the marginal's top-K, the same candidates at every node of a
+    depth; here each node's children are the top-K of ``q_d(. | its parent token)`` with
+    that conditional as their ``log q``, and ``rho = min(1, p_ng / q_d(t | parent))`` (the
+    n-gram sees the whole drafted prefix, the head only the parent). With ``lambda = 0`` a
+    tree is best-first on the conditional alone.
+    """
+
+    prefix: PrefixRho
+    ngram: NGramRho
+    name: str = "prefix-ngram"
+
+    def propose(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]],
+                top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate target ids [P, K] and their ``log q_d(t | parent)`` [P, K], best first."""
+        top = torch.topk(self.prefix.conditional(ctx, depth, prefixes), top_k, dim=-1)
+        return self.prefix.d2t[top.indices], top.values
+
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        return self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
 
 
 def prefix_aligned_scores(
