@@ -14,6 +14,7 @@ from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 from presto_sd.embedded.stack import build_embedded
 from presto_sd.loop.generate import GenerationParams, generate
 from presto_sd.method.builders import TreeParams
+from presto_sd.models.assets import PREFIX_HEAD_FILE
 from presto_sd.models.dflash import DFlashDraftModel
 from presto_sd.models.loading import DEFAULT_DRAFTER
 
@@ -127,6 +128,9 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     again = DFlashDraftModel.load(frozen)
     assert again.config.prefix_head_rank == 4 and torch.equal(again.fc.weight, model.fc.weight)
     assert torch.equal(again.d2t, model.d2t)
+    # the head ships in its own file: the drafter's weights file is the base's, byte for byte
+    assert (frozen / "model.safetensors").read_bytes() == (drafter_dir / "model.safetensors").read_bytes()
+    assert (frozen / PREFIX_HEAD_FILE).read_bytes() != (drafter_dir / PREFIX_HEAD_FILE).read_bytes()
 
     stack = build_embedded(str(tiny_target_dir), str(drafter_dir), device=torch.device("cpu"))
     assert {"prefix", "prefix-ngram"} <= set(stack.drafter.rho_providers)

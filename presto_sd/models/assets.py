@@ -21,6 +21,7 @@ NGRAM_FILE = "ngram.json.gz"
 H_PHI_DIR = "h_phi"
 CALIBRATED_RHO = "hphi"  # the acceptance estimate trained to be calibrated (TAPS sums reaches)
 DIGESTS_FILE = "sha256.json"  # every file a drafter dir ships, with its sha256
+PREFIX_HEAD_FILE = "prefix_head.safetensors"  # the prefix head's weights, apart from the drafter's
 
 
 class DrafterNotFoundError(FileNotFoundError):
@@ -50,7 +51,8 @@ def check_drafter_dir(path: Path) -> None:
     A missing ``model.safetensors`` must never turn into random weights: the output would
     still be exact but nothing accepted, and no one would know why it got slow.
     """
-    weights = [f for f in path.glob("*.safetensors") if f.name != "draft_vocab.safetensors"]
+    not_weights = ("draft_vocab.safetensors", PREFIX_HEAD_FILE)  # beside the drafter's own weights
+    weights = [f for f in path.glob("*.safetensors") if f.name not in not_weights]
     missing = [name for name, ok in (("config.json", (path / "config.json").is_file()),
                                      ("weights (*.safetensors)", bool(weights))) if not ok]
     if missing:

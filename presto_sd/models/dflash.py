@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from presto_sd.models.assets import PREFIX_HEAD_FILE
 from presto_sd.models.dflash_fields import UnsupportedDrafterConfig, check_supported
 from presto_sd.models.session_kv import SessionKV
 
@@ -314,13 +315,21 @@ class DFlashDraftModel(nn.Module):
         self, path: str | Path, dtype: torch.dtype | None = None, max_file_mb: float | None = None
     ) -> None:
         """Config, weights (in ``dtype`` if given) and the token map; weights are split into
-        files of at most ``max_file_mb`` MiB when given (``load`` reads every file)."""
+        files of at most ``max_file_mb`` MiB when given (``load`` reads every file).
+
+        The prefix head goes into its own ``prefix_head.safetensors``: a head trained alone
+        on a frozen drafter leaves ``model.safetensors`` byte for byte the drafter's, so
+        shipping one adds its ~2 MB to a repository, not the drafter's ~25 MB again.
+        """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
-        for old in path.glob("model*.safetensors"):
-            old.unlink()
+        for old in [*path.glob("model*.safetensors"), path / PREFIX_HEAD_FILE]:
+            old.unlink(missing_ok=True)
+        head = {k: state.pop(k) for k in [k for k in state if k.startswith("prefix_head.")]}
+        if head:
+            save_file(head, path / PREFIX_HEAD_FILE, metadata={"format": "pt"})
         limit = int(max_file_mb * 2**20) if max_file_mb else None
         files: list[dict[str, torch.Tensor]] = [{}]
         size = 0
