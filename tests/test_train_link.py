@@ -14,7 +14,7 @@ from presto_sd.app.training.features import materialize
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.link import LinkConfig, LinkError, run_link
 from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
-from presto_sd.models.assets import file_digests
+from presto_sd.models.assets import file_digests, write_digests
 from presto_sd.models.loading import load_target, sha256_of
 
 GROW = dict(sources="code,arith", n_code=8, n_arith=8, max_new_tokens=24, batch_size=4, dtype="float32")
@@ -228,3 +228,44 @@ def test_a_link_chooses_on_the_held_out_mix_by_default(chain, monkeypatch):
     # a dir that chose on another set says which, to resume it
     with pytest.raises(LinkError, match="--choose-on heldout-mix"):
         run_link(link_config(chain, "mix-choice", steps=5, choose_n=1, choose_on="sharegpt"))
+
+
+def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it(chain):
+    """``prefix-ngram`` proposes its own children, so `train acceptance` cannot fit its lambda:
+    ``choose_lambda`` picks it from a grid by the replay (into presto.json, digests kept true),
+    refuses a drafter without a head changing nothing, and a link from a parent with a head
+    chooses the candidate's before the verdict, so both drafters are judged with it."""
+    import shutil
+
+    from presto_sd.app.training.choose_lambda import choose_lambda
+
+    root, _, parent, prompts, target = chain
+    flags = ["--prompts-file", str(prompts), "--datasets", "", "--n", "2"]
+    before = (parent / "presto.json").read_bytes()
+    with pytest.raises(ValueError, match="prefix-ngram"):  # no head: no such rho
+        choose_lambda(parent, flags, root / "no-head", budgets=(2,), max_new_tokens=8, target=str(target))
+    assert (parent / "presto.json").read_bytes() == before
+
+    head_run = train_drafter(TrainConfig(
+        data=str(root / "data0"), out=str(root / "head-run"), target=str(target), anchors_per_seq=4,
+        batch_seqs=2, steps=5, warmup=1, ckpt_every=5, heldout_seqs=1, prefix_rank=4,
+        init_drafter=str(parent), prefix_only=True))
+    headed = export_drafter(head_run, root / "headed")
+    for name in ("presto.json", "ngram.json.gz", "h_phi", "sha256.json"):
+        copy = shutil.copytree if (parent / name).is_dir() else shutil.copyfile
+        copy(parent / name, headed / name)
+    assert (headed / "model.safetensors").read_bytes() == (parent / "model.safetensors").read_bytes()
+    write_digests(headed)
+    report = choose_lambda(headed, flags, root / "lambda", grid=(0.0, 0.5), budgets=(2, 4),
+                           max_new_tokens=8, target=str(target), make_default=True)
+    presto = json.loads((headed / "presto.json").read_text())
+    assert set(report["score_by_lambda"]) == {"0", "0.5"} and report["lambda"] in (0.0, 0.5)
+    assert presto["lambdas_by_rho"]["prefix-ngram"] == [report["lambda"]]
+    assert report["default_score"] is not None and presto["rho"] == report["default_now"]
+    assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
+
+    cfg = link_config(chain, "headed-link", parent=str(headed), steps=5, choose_n=1)
+    linked = run_link(cfg)
+    assert all("prefix-ngram" in linked[who]["tau_by_rho"] for who in ("candidate", "parent"))
+    candidate = json.loads((root / "headed-link" / "candidate" / "presto.json").read_text())
+    assert candidate["lambdas_by_rho"]["prefix-ngram"][0] in (0.0, 0.1, 0.25, 0.5, 1.0)

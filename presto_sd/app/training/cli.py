@@ -142,6 +142,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     cs.add_argument("--corpora", default=DEFAULT_CORPUS,
                     help="comma-separated corpora whose plans' prompts it leaves out, word for word "
                          "(default: %(default)s)")
+    from presto_sd.app.training.choose_lambda import GRID, PROPOSING_RHOS
+
+    cl = tsub.add_parser("choose-lambda", help="the lambda of a rho that proposes its own candidates "
+                         "(prefix-ngram: children from the prefix head's conditional), chosen by the replay "
+                         "on held-out prompts and written into the drafter's presto.json")
+    cl.add_argument("--drafter", required=True, help="the drafter dir (with its presto.json)")
+    cl.add_argument("--prompts-file", required=True,
+                    help="held-out prompts, a `bench --prompts-file` JSONL (`train choose-set` writes "
+                         "the mix a link chooses on); never a benchmark's")
+    cl.add_argument("--n", type=int, default=LinkConfig.choose_n,
+                    help="prompts of each set in the file (default: %(default)s)")
+    cl.add_argument("--rho", default=PROPOSING_RHOS[0], help="(default: %(default)s)")
+    cl.add_argument("--grid", default=",".join(f"{x:g}" for x in GRID),
+                    help="lambdas to try (default: %(default)s)")
+    cl.add_argument("--budgets", default="4,16",
+                    help="tree budgets the score averages (default: %(default)s)")
+    cl.add_argument("--max-new-tokens", type=int, default=LinkConfig.max_new_tokens,
+                    help="(default: %(default)s)")
+    cl.add_argument("--target", default=None, help="the target (default: the drafter's own)")
+    cl.add_argument("--out", required=True, help="a dir for the replays and lambda_report.json (reused)")
+    cl.add_argument("--make-default", action="store_true",
+                    help="also make the rho the drafter's default where it beats the current default's score")
     train.set_defaults(run=run)
 
 
@@ -201,6 +223,16 @@ def run(args: argparse.Namespace) -> int:
 
         report = run_link(_to_config(LinkConfig, args))
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    elif args.train_command == "choose-lambda":
+        import json
+
+        from presto_sd.app.training.choose_lambda import choose_lambda
+
+        prompts = ["--prompts-file", args.prompts_file, "--datasets", "", "--n", str(args.n)]
+        print(json.dumps(choose_lambda(
+            args.drafter, prompts, args.out, args.rho, [float(x) for x in args.grid.split(",")],
+            [int(x) for x in args.budgets.split(",")], args.max_new_tokens, args.target,
+            args.make_default), indent=2))
     elif args.train_command == "choose-set":
         from presto_sd.app.training.choose_set import write_heldout_mix
 

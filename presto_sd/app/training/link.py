@@ -26,12 +26,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS, DATASETS
+from presto_sd.app.training.choose_lambda import PROPOSING_RHOS, choose_lambda
 from presto_sd.app.training.choose_set import HELDOUT_MIX, write_heldout_mix
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
+from presto_sd.app.training.held_out_replay import (
+    CHOICE_METHOD,
+    by_set,
+    choice_score,
+    held_out_replay,
+    pooled,
+)
 from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES
 from presto_sd.models.assets import DIGESTS_FILE
-
-CHOICE_METHOD = "presto-best-first"  # the CLI default's builder: what a rho is chosen for
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ def run_link(cfg: LinkConfig) -> dict:
     if not (candidate / DIGESTS_FILE).is_file():  # train_acceptance writes the digests last
         # its n-gram table models the target's own text: the regenerated answers only
         _acceptance(cfg, ",".join(answers), candidate, parent_config)
+    _proposing_lambdas(cfg, candidate, work / "choice" / "candidate-lambda", prompts)
     report = _choose(cfg, work / "choice", parent, candidate, prompts)
     (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -263,6 +270,19 @@ def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict
         corpus=cfg.corpus, corpus_from_shard=_acceptance_start(cfg)))
 
 
+def _proposing_lambdas(cfg: LinkConfig, candidate: Path, out: Path, prompts: list[str]) -> None:
+    """A candidate with a prefix head: the lambda of each rho that proposes its own children,
+    which `train acceptance` cannot fit, chosen on the held-out prompts (``choose_lambda``)."""
+    config = json.loads((candidate / "config.json").read_text())
+    if not config.get("dflash_config", {}).get("prefix_head_rank"):
+        return
+    fitted = json.loads((candidate / "presto.json").read_text()).get("lambdas_by_rho", {})
+    for rho in PROPOSING_RHOS:
+        if rho not in fitted:
+            choose_lambda(candidate, prompts, out, rho, budgets=cfg.budgets,
+                          max_new_tokens=cfg.max_new_tokens, target=cfg.target)
+
+
 def _choice_prompts(cfg: LinkConfig, choice: Path) -> list[str]:
     """``bench`` flags for the prompts the choice replays (the held-out mix written once)."""
     if cfg.choose_on == HELDOUT_MIX:
@@ -289,39 +309,7 @@ def _prompts_record(prompts: list[str]) -> dict:
 
 def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
             prompts: list[str]) -> list[dict]:
-    """``bench --replay`` of ``drafter`` with ``rho`` on ``prompts`` (its output kept in ``out``):
-    its rows (a method, budget and prompt set each)."""
-    if not (out / "replay.json").is_file():
-        import argparse
-
-        from presto_sd.app.bench.cli import register
-
-        argv = ["bench", "--replay", "--drafter", str(drafter), "--methods", methods,
-                "--budgets", ",".join(map(str, cfg.budgets)), *prompts,
-                "--max-new-tokens", str(cfg.max_new_tokens), "--rho", rho, "--positions-top-k", "0",
-                "--no-progress", "--out", str(out),
-                *(["--target", cfg.target] if cfg.target else [])]
-        parser = argparse.ArgumentParser(prog="presto-sd")
-        register(parser.add_subparsers())
-        args = parser.parse_args(argv)
-        args.run(args)
-    return json.loads((out / "replay.json").read_text())["rows"]
-
-
-def _pooled(rows: list[dict]) -> dict[str, float]:
-    """Tau per method and budget over every prompt (one set: its own rows)."""
-    return _taus([r for r in rows if r["dataset"] == "all"] or rows)
-
-
-def _taus(rows: list[dict]) -> dict[str, float]:
-    return {r["method"] + (f"@{r['budget']}" if r["budget"] else ""): round(r["tau"], 4) for r in rows}
-
-
-def _by_set(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """A replay's ``CHOICE_METHOD`` taus per prompt set (the mix's three; one set reads as itself)."""
-    rows = [r for r in rows if r["method"] == CHOICE_METHOD]
-    return {ds: _taus([r for r in rows if r["dataset"] == ds])
-            for ds in dict.fromkeys(r["dataset"] for r in rows) if ds != "all"}
+    return held_out_replay(drafter, out, rho, methods, prompts, cfg.budgets, cfg.max_new_tokens, cfg.target)
 
 
 def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompts: list[str]) -> dict:
@@ -337,10 +325,10 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
                 for k, rho in enumerate(rhos)}
 
     def score(taus: dict[str, float]) -> float:
-        return sum(taus[f"{CHOICE_METHOD}@{b}"] for b in cfg.budgets) / len(cfg.budgets)
+        return choice_score(taus, cfg.budgets)
 
     my_rows, their_rows = by_rho(candidate, "candidate"), by_rho(parent, "parent")
-    mine, theirs = ({rho: _pooled(rows) for rho, rows in t.items()} for t in (my_rows, their_rows))
+    mine, theirs = ({rho: pooled(rows) for rho, rows in t.items()} for t in (my_rows, their_rows))
     rho, parent_rho = (max(t, key=lambda r: score(t[r])) for t in (mine, theirs))
     presto_file = candidate / "presto.json"
     presto = json.loads(presto_file.read_text())
@@ -357,9 +345,9 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
         "prompts": _prompts_record(prompts),
         # by_set: at the drafter's best rho, a set each (a link can win pooled and lose code)
         "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs,
-                   "by_set": _by_set(their_rows[parent_rho])},
+                   "by_set": by_set(their_rows[parent_rho])},
         "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine,
-                      "by_set": _by_set(my_rows[rho])},
+                      "by_set": by_set(my_rows[rho])},
         "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best rho",
                   "parent": round(score(theirs[parent_rho]), 4), "candidate": round(score(mine[rho]), 4)},
         "wins": wins,
