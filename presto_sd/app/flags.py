@@ -83,9 +83,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                         "pays for larger trees)")
     add_tree_args(g)
     g.add_argument("--rho", default=None,
-                   help="rho provider for PRESTO and TAPS: ngram | hphi | constant | prefix (a drafter "
-                        "with a prefix head), taps also marginal (default: the drafter's; taps: hphi "
-                        "when shipped)")
+                   help="rho provider for PRESTO and TAPS: ngram | hphi | constant | prefix | "
+                        "prefix-ngram (the last two: a drafter with a prefix head; prefix-ngram draws "
+                        "each node's children from the head), taps also marginal (default: the "
+                        "drafter's; taps: hphi when shipped)")
     g.add_argument("--lambda", dest="lambdas", default=None,
                    help="lambda_d: one value or comma-separated per depth (default: the drafter's)")
     add_sampling_args(p)
