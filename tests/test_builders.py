@@ -169,6 +169,15 @@ def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
     tokens, log_q = rho.propose(ctx_for(m, [anchor]), 2, [[5], [9]], 3)
     assert tokens[:, 0].tolist() == [6, 10] and bool((log_q[:, :1] > log_q[:, 1:]).all())
 
+    # the drafter hands in its full log q (no second lm_head matmul): the same conditional
+    head = torch.randn(len(draft_ids), hidden, generator=torch.Generator().manual_seed(1))
+    rich = PrefixRho(head, t2d, transition)
+    full = torch.log_softmax(m.hidden @ head.T, dim=-1)
+    kept = DraftMarginals(m.token_ids, m.log_probs, m.entropy, m.hidden, full)
+    for d in (1, 2, 3):
+        torch.testing.assert_close(rich.conditional(ctx_for(kept, [anchor]), d, [[5], [7]]),
+                                   rich.conditional(ctx_for(m, [anchor]), d, [[5], [7]]))
+
 
 def test_unknown_method_and_missing_rho():
     m = random_marginals(3, 3)

@@ -211,7 +211,8 @@ class DFlashDrafter(CheckedDrafter):
         logp = torch.log_softmax((rows @ self.draft_head.T).float(), dim=-1).view(len(items), depth, -1)
         out = []
         for r, (_, _, d, k) in enumerate(items):
-            m = DraftMarginals.top_of(logp[r, :d], min(k, logp.shape[-1]), hidden[r, :d].float())
+            m = DraftMarginals.top_of(logp[r, :d], min(k, logp.shape[-1]), hidden[r, :d].float(),
+                                      keep_full=self.model.prefix_head is not None)
             if self.d2t is not None:  # draft-vocabulary rows -> the target's token ids
                 m = replace(m, token_ids=self.d2t[m.token_ids])
             out.append(m)
