@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
-from presto_sd.app.training.export import export_drafter
+from presto_sd.app.training.export import add_prefix_head, export_drafter
 from presto_sd.app.training.features import materialize
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.link import LinkConfig, LinkError, run_link
 from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
-from presto_sd.models.assets import file_digests, write_digests
+from presto_sd.models.assets import file_digests
 from presto_sd.models.loading import load_target, sha256_of
 
 GROW = dict(sources="code,arith", n_code=8, n_arith=8, max_new_tokens=24, batch_size=4, dtype="float32")
@@ -250,12 +250,20 @@ def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it
         data=str(root / "data0"), out=str(root / "head-run"), target=str(target), anchors_per_seq=4,
         batch_seqs=2, steps=5, warmup=1, ckpt_every=5, heldout_seqs=1, prefix_rank=4,
         init_drafter=str(parent), prefix_only=True))
-    headed = export_drafter(head_run, root / "headed")
-    for name in ("presto.json", "ngram.json.gz", "h_phi", "sha256.json"):
-        copy = shutil.copytree if (parent / name).is_dir() else shutil.copyfile
-        copy(parent / name, headed / name)
+    headed = root / "headed"  # the parent and its predictors, the head put in by `train add-head`
+    shutil.copytree(parent, headed)
+    other = export_drafter(train_drafter(TrainConfig(  # a head on another drafter: refused
+        data=str(root / "data0"), out=str(root / "other-run"), target=str(target), num_layers=1,
+        block_size=4, draft_vocab=64, anchors_per_seq=4, batch_seqs=2, steps=2, warmup=1, ckpt_every=2,
+        heldout_seqs=1, prefix_rank=4, seed=1)), root / "other")
+    with pytest.raises(ValueError, match="not .*'s: a head is trained on"):
+        add_prefix_head(other, headed)
+    assert file_digests(headed) == file_digests(parent)  # refused: nothing changed
+    add_prefix_head(head_run, headed)
     assert (headed / "model.safetensors").read_bytes() == (parent / "model.safetensors").read_bytes()
-    write_digests(headed)
+    assert json.loads((headed / "config.json").read_text())["dflash_config"]["prefix_head_rank"] == 4
+    assert (headed / "prefix_head_report.json").is_file()
+    assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
     report = choose_lambda(headed, flags, root / "lambda", grid=(0.0, 0.5), budgets=(2, 4),
                            max_new_tokens=8, target=str(target), make_default=True)
     presto = json.loads((headed / "presto.json").read_text())
@@ -269,3 +277,13 @@ def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it
     assert all("prefix-ngram" in linked[who]["tau_by_rho"] for who in ("candidate", "parent"))
     candidate = json.loads((root / "headed-link" / "candidate" / "presto.json").read_text())
     assert candidate["lambdas_by_rho"]["prefix-ngram"][0] in (0.0, 0.1, 0.25, 0.5, 1.0)
+    # a head put in over another: the lambdas chosen for the old one go, its rho falls back
+    again = root / "headed-again"
+    shutil.copytree(headed, again)
+    presto = json.loads((again / "presto.json").read_text())
+    presto.update(rho="prefix-ngram", lambdas=presto["lambdas_by_rho"]["prefix-ngram"])
+    (again / "presto.json").write_text(json.dumps(presto))
+    add_prefix_head(head_run, again)
+    presto = json.loads((again / "presto.json").read_text())
+    assert presto["rho"] == "ngram" and presto["lambdas"] == presto["lambdas_by_rho"]["ngram"]
+    assert not {"prefix", "prefix-ngram"} & set(presto["lambdas_by_rho"])

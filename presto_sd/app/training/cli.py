@@ -111,6 +111,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the weights' dtype on disk (default: %(default)s; loading casts to the target's)")
 
+    ah = tsub.add_parser("add-head", help="put a prefix head trained alone on a drafter (`train drafter "
+                         "--init-drafter DIR --prefix-rank R --prefix-only`) into that drafter dir, digests "
+                         "rewritten (then `train choose-lambda` on it)")
+    ah.add_argument("--checkpoint", required=True, help="the head's `train drafter` run's drafter dir")
+    ah.add_argument("--drafter", required=True, help="the drafter dir the head was trained on")
+
     from presto_sd.app.training.train_self import SelfTrainConfig
 
     sd = tsub.add_parser("self-draft", help="the self-speculative adapter (mask rows of the target draft "
@@ -209,6 +215,10 @@ def run(args: argparse.Namespace) -> int:
         from presto_sd.app.training.export import export_drafter
 
         print(export_drafter(args.checkpoint, args.out, getattr(torch, args.dtype)))
+    elif args.train_command == "add-head":
+        from presto_sd.app.training.export import add_prefix_head
+
+        print(add_prefix_head(args.checkpoint, args.drafter))
     elif args.train_command == "acceptance":
         import json
 

@@ -35,3 +35,56 @@ def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype =
         if found is not None:
             shutil.copyfile(found, out / name)
     return out
+
+
+HEAD_RHOS = ("prefix", "prefix-ngram")  # rho providers a prefix head makes: their lambdas are its
+
+
+def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
+    """Put the prefix head of ``checkpoint`` (``train drafter --init-drafter DRAFTER
+    --prefix-only``'s output) into the drafter dir ``drafter``, in the dtype of its weights.
+
+    Refused, changing nothing, when the checkpoint's drafter weights are not ``drafter``'s
+    (a head is trained on one drafter's states). The head's report is kept as
+    ``prefix_head_report.json``; lambdas fitted for a head it replaces are dropped from
+    ``presto.json`` (the default rho falls back to ``ngram`` if it was one of them); the
+    digests are rewritten. ``train choose-lambda`` then chooses ``prefix-ngram``'s lambda.
+    """
+    from presto_sd.models.assets import DIGESTS_FILE, PREFIX_HEAD_FILE, PRESTO_FILE, write_digests
+
+    checkpoint, drafter = Path(checkpoint), Path(drafter)
+    trained = DFlashDraftModel.load(checkpoint)
+    if trained.prefix_head is None:
+        raise ValueError(f"{checkpoint} has no prefix head (train it with --prefix-rank R --prefix-only)")
+    config = json.loads((drafter / "config.json").read_text())
+    dtype = getattr(torch, config.get("torch_dtype", "float32"))
+    base = DFlashDraftModel.load(drafter, dtype)
+    mine = {k: v.to(dtype) for k, v in trained.state_dict().items() if not k.startswith("prefix_head.")}
+    theirs = {k: v for k, v in base.state_dict().items() if not k.startswith("prefix_head.")}
+    if mine.keys() != theirs.keys() or not all(torch.equal(mine[k], theirs[k]) for k in mine) or (
+            (trained.d2t is None) != (base.d2t is None)
+            or (trained.d2t is not None and not torch.equal(trained.d2t, base.d2t))):
+        raise ValueError(f"{checkpoint}'s drafter weights are not {drafter}'s: a head is trained on "
+                         "the drafter it ships with (train drafter --init-drafter DRAFTER --prefix-only)")
+    from safetensors.torch import save_file
+
+    head = {k: v.detach().to("cpu", dtype).contiguous() for k, v in trained.state_dict().items()
+            if k.startswith("prefix_head.")}
+    save_file(head, drafter / PREFIX_HEAD_FILE, metadata={"format": "pt"})
+    config["dflash_config"]["prefix_head_rank"] = trained.config.prefix_head_rank
+    (drafter / "config.json").write_text(json.dumps(config, indent=2))
+    report = next((p for p in (checkpoint / KEPT[0], checkpoint.parent / KEPT[0]) if p.is_file()), None)
+    if report is not None:
+        shutil.copyfile(report, drafter / "prefix_head_report.json")
+    presto_file = drafter / PRESTO_FILE
+    if presto_file.is_file():
+        presto = json.loads(presto_file.read_text())
+        by_rho = {k: v for k, v in presto.get("lambdas_by_rho", {}).items() if k not in HEAD_RHOS}
+        if presto.get("rho") in HEAD_RHOS:
+            rho = "ngram" if "ngram" in by_rho else next(iter(by_rho), None)
+            presto.update(rho=rho, lambdas=by_rho.get(rho, []))
+        presto["lambdas_by_rho"] = by_rho
+        presto_file.write_text(json.dumps(presto, indent=2))
+    if (drafter / DIGESTS_FILE).is_file():
+        write_digests(drafter)
+    return drafter
