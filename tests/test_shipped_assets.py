@@ -17,7 +17,8 @@ def test_every_shipped_drafter_file_matches_its_digest():
     """Fails (never skips) on an edited, truncated or LFS-pointer file, or one left out."""
     want = json.loads((DEFAULT_DRAFTER / DIGESTS_FILE).read_text())
     have = file_digests(DEFAULT_DRAFTER)
-    assert {"config.json", "model.safetensors", "presto.json", "ngram.json.gz"} <= set(want)
+    assert {"config.json", "model.safetensors", "prefix_head.safetensors", "presto.json",
+            "ngram.json.gz"} <= set(want)
     assert have == want, sorted(f for f in set(want) | set(have) if want.get(f) != have.get(f))
 
 
