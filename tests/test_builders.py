@@ -20,6 +20,7 @@ from presto_sd.method.builders import (
 )
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import (
+    RHO_FLOOR,
     ConstantRho,
     DraftMarginals,
     NGramRho,
@@ -152,31 +153,44 @@ def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
     t2d[draft_ids] = torch.arange(len(draft_ids))
     draft_head = torch.zeros(len(draft_ids), hidden)  # the marginal is flat: the parent decides
 
-    def transition(h: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(len(parent), len(draft_ids))  # draft id p -> p + 1 (mod Vd), strongly
-        out[torch.arange(len(parent)), (parent.clamp_min(0) + 1) % len(draft_ids)] = 8.0
-        return out
-
-    prefix = PrefixRho(draft_head, t2d, transition)
+    n = len(draft_ids)  # a head of rank n: draft id p -> p + 1 (mod n), strongly; no gate
+    prev = torch.cat([torch.eye(n), torch.zeros(1, n)])
+    nxt = 8.0 * torch.eye(n).roll(1, dims=0)  # next[t] = 8 e_(t - 1)
+    transition = (prev, torch.zeros(n, hidden), nxt)
+    prefix = PrefixRho(draft_head, t2d, *transition)
     assert torch.equal(prefix.d2t, draft_ids)
     rho = PrefixProposalRho(prefix, NGramRho())
     anchor = 4
     built = build_presto_best_first_tree(anchor, ctx_for(m, [1, 2, anchor]), rho,
                                          TreeParams(budget=3, depth=3, lambdas=(0.0,)))
     assert built.tree.tokens == (anchor, 5, 6, 7)  # the chain each parent's conditional names
-    assert built.path_scores[1] == pytest.approx(float(prefix.conditional(
-        ctx_for(m, [anchor]), 1, [[]])[0, t2d[5]]))
+    ids, logp = prefix.conditional(ctx_for(m, [anchor]), 1, [[]])
+    assert built.path_scores[1] == pytest.approx(float(logp[0, (ids == t2d[5]).nonzero()[0, 0]]))
+    assert logp.exp().sum() == pytest.approx(1.0)  # the whole draft vocabulary is the support here
     tokens, log_q = rho.propose(ctx_for(m, [anchor]), 2, [[5], [9]], 3)
     assert tokens[:, 0].tolist() == [6, 10] and bool((log_q[:, :1] > log_q[:, 1:]).all())
 
     # the drafter hands in its full log q (no second lm_head matmul): the same conditional
     head = torch.randn(len(draft_ids), hidden, generator=torch.Generator().manual_seed(1))
-    rich = PrefixRho(head, t2d, transition)
+    rich = PrefixRho(head, t2d, *transition)
     full = torch.log_softmax(m.hidden @ head.T, dim=-1)
     kept = DraftMarginals(m.token_ids, m.log_probs, m.entropy, m.hidden, full)
     for d in (1, 2, 3):
-        torch.testing.assert_close(rich.conditional(ctx_for(kept, [anchor]), d, [[5], [7]]),
-                                   rich.conditional(ctx_for(m, [anchor]), d, [[5], [7]]))
+        for a, b in zip(rich.conditional(ctx_for(kept, [anchor]), d, [[5], [7]]),
+                        rich.conditional(ctx_for(m, [anchor]), d, [[5], [7]])):
+            torch.testing.assert_close(a, b)
+
+    # a support of the marginal's top 4: nothing else is proposed or scored above the floor,
+    # and a token outside keeps its marginal mass in the normaliser
+    narrow = PrefixRho(head, t2d, *transition, support=4)
+    ctx = ctx_for(kept, [anchor])
+    ids, logp = narrow.conditional(ctx, 2, [[5]])
+    assert set(ids.tolist()) == set(full[1].topk(4).indices.tolist()) and logp.exp().sum() < 1
+    proposed, _ = PrefixProposalRho(narrow, NGramRho()).propose(ctx, 2, [[5]], 10)
+    assert set(t2d[proposed[0]].tolist()) == set(ids.tolist())
+    outside = [t for t in draft_ids.tolist() if t2d[t] not in ids.tolist()]
+    log_rho = narrow.log_rho(ctx, 2, [[5]], torch.tensor([outside + [0]]), None)
+    assert torch.all(log_rho == math.log(RHO_FLOOR))
 
 
 def test_unknown_method_and_missing_rho():

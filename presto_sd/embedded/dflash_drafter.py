@@ -95,7 +95,8 @@ class DFlashDrafter(CheckedDrafter):
             d2t = self.d2t if self.d2t is not None else torch.arange(self.vocab_size, device=lm_head.device)
             t2d[d2t] = torch.arange(len(d2t), device=lm_head.device)
             head = model.prefix_head
-            prefix = PrefixRho(self.draft_head, t2d, lambda h, parent: head(h.to(head.next.dtype), parent))
+            weights = (head.prev.weight, head.gate.weight, head.next)
+            prefix = PrefixRho(self.draft_head, t2d, *(w.detach().float() for w in weights))
             ngram = self.rho_providers["ngram"]
             self.rho_providers["prefix"] = prefix
             if isinstance(ngram, NGramRho):  # children from the head's conditional, the n-gram on top

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -233,15 +232,25 @@ class PrefixRho:
 
     A node is accepted exactly when its token is the target's next one given its
     (accepted) parent, so the conditional is a direct estimate of that probability: it
-    rescores PRESTO's children and is TAPS's ``a(u)``. ``transition(hidden [P, H], parent
-    draft ids [P]) -> [P, Vd]`` is the head's logit correction; ``draft_head`` the draft
-    lm_head rows; ``t2d`` maps target ids to draft ids (-1 outside the draft vocabulary).
+    rescores PRESTO's children and is TAPS's ``a(u)``. The head (``PrefixHead`` in
+    ``models/dflash.py``) corrects position ``d``'s logits by ``next[t] . (prev[x] * (1 +
+    gate h_d))``; its weights come in float32 (small matmuls in bf16 cost ~10x on a CPU).
+    ``draft_head`` is the draft lm_head rows; ``t2d`` maps target ids to draft ids (-1
+    outside the draft vocabulary).
+
+    The head corrects only the marginal's top-``support`` tokens at a depth: the whole
+    draft vocabulary would read all of ``next`` for every node (~0.4 ms a node on a 2-core
+    CPU: more than the tau it buys at budget 4); a token outside keeps its marginal mass in
+    the normaliser and is never proposed.
     """
 
     draft_head: torch.Tensor  # [Vd, H]
     t2d: torch.Tensor  # long [V]
-    transition: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    prev: torch.Tensor  # float [Vd + 1, R]: the parent's row (the last: a parent outside)
+    gate: torch.Tensor  # float [R, H]
+    next: torch.Tensor  # float [Vd, R]
     name: str = "prefix"
+    support: int = 256
     d2t: torch.Tensor = field(init=False, repr=False)  # long [Vd]: t2d's inverse
 
     def __post_init__(self) -> None:
@@ -250,26 +259,34 @@ class PrefixRho:
         self.d2t[self.t2d[ids]] = ids
 
     @torch.no_grad()
-    def conditional(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]]) -> torch.Tensor:
-        """``log q_d(. | parent)`` [P, Vd] over the draft vocabulary, one row a prefix."""
+    def conditional(self, ctx: ScoringContext, depth: int,
+                    prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The support's draft ids [M] and ``log q_d(. | parent)`` over them [P, M], a row a prefix."""
         m = ctx.marginals
         if m.hidden is None:
             raise ValueError("the prefix rho provider needs the drafter's hidden states")
-        key = ("prefix-logits", depth)
-        if key not in ctx.memo:  # the marginal's logits (log q_d: the same up to a shift)
-            h = m.hidden[depth - 1].to(self.draft_head.dtype)
-            full = m.draft_log_probs
-            ctx.memo[key] = (h, full[depth - 1] if full is not None else (h @ self.draft_head.T).float())
-        h, logits = ctx.memo[key]
-        parents = torch.tensor([p[-1] if p else ctx.context_tokens[-1] for p in prefixes], dtype=torch.long)
-        cond = logits[None] + self.transition(h.expand(len(prefixes), -1), self.t2d[parents]).float()
-        return torch.log_softmax(cond, dim=-1)
+        if "prefix-support" not in ctx.memo:  # every depth's share at once, once a round
+            h = m.hidden.float()  # [D, H]
+            full = (m.draft_log_probs if m.draft_log_probs is not None  # the drafter's own log q
+                    else torch.log_softmax((h.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1))
+            top = torch.topk(full, min(self.support, full.shape[-1]), dim=-1)  # [D, M]
+            rest = (1 - top.values.exp().sum(-1)).clamp_min(0).log()  # [D]: the mass outside
+            gain = 1 + h @ self.gate.T  # [D, R]
+            next_rows = self.next[top.indices] * gain[:, None, :]  # [D, M, R]
+            ctx.memo["prefix-support"] = (top.indices, top.values, next_rows, rest)
+        ids, log_q, next_rows, rest = (x[depth - 1] for x in ctx.memo["prefix-support"])
+        parents = self.t2d[[p[-1] if p else ctx.context_tokens[-1] for p in prefixes]]
+        cond = log_q + self.prev[torch.where(parents < 0, len(self.prev) - 1, parents)] @ next_rows.T
+        return ids, cond - torch.logaddexp(torch.logsumexp(cond, dim=-1, keepdim=True), rest)
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
-        logp = self.conditional(ctx, depth, prefixes)  # [P, Vd]
-        cand = self.t2d[candidates]  # [P, C]; a candidate outside the draft vocabulary has q = 0
+        ids, logp = self.conditional(ctx, depth, prefixes)  # [M], [P, M]
+        where = torch.full((len(self.d2t),), -1, dtype=torch.long)
+        where[ids] = torch.arange(len(ids))
+        cand = self.t2d[candidates]  # [P, C]; outside the draft vocabulary: q = 0
+        col = torch.where(cand >= 0, where[cand.clamp_min(0)], -1)  # outside the support: the floor
         floor = math.log(RHO_FLOOR)
-        return logp.gather(1, cand.clamp_min(0)).clamp(min=floor).masked_fill(cand < 0, floor)
+        return logp.gather(1, col.clamp_min(0)).clamp(min=floor).masked_fill(col < 0, floor)
 
 
 @dataclass
@@ -290,8 +307,9 @@ class PrefixProposalRho:
     def propose(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]],
                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate target ids [P, K] and their ``log q_d(t | parent)`` [P, K], best first."""
-        top = torch.topk(self.prefix.conditional(ctx, depth, prefixes), top_k, dim=-1)
-        return self.prefix.d2t[top.indices], top.values
+        ids, logp = self.prefix.conditional(ctx, depth, prefixes)
+        top = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
+        return self.prefix.d2t[ids[top.indices]], top.values
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
         return self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
