@@ -191,6 +191,33 @@ def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
     outside = [t for t in draft_ids.tolist() if t2d[t] not in ids.tolist()]
     log_rho = narrow.log_rho(ctx, 2, [[5]], torch.tensor([outside + [0]]), None)
     assert torch.all(log_rho == math.log(RHO_FLOOR))
+    # two heads scoring one round keep their own shares (the memo is per provider)
+    both = ctx_for(kept, [anchor])
+    assert len(rich.conditional(both, 2, [[5]])[0]) == len(draft_ids)
+    assert len(narrow.conditional(both, 2, [[5]])[0]) == 4
+
+
+def test_prefix_rho_is_the_heads_own_conditional():
+    """With the whole vocabulary as support, ``PrefixRho`` gives ``log_softmax(logits +
+    PrefixHead(h, parent))``: a gate that is not zero, a parent outside the draft vocabulary."""
+    from presto_sd.models.dflash import PrefixHead
+
+    g = torch.Generator().manual_seed(3)
+    vocab, n, hidden, rank = 14, 10, 8, 4
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[4:] = torch.arange(n)
+    head = PrefixHead(n, hidden, rank)
+    with torch.no_grad():
+        head.next.copy_(torch.randn(n, rank, generator=g))
+        head.gate.weight.copy_(torch.randn(rank, hidden, generator=g))
+    draft_head = torch.randn(n, hidden, generator=g)
+    rho = PrefixRho(draft_head, t2d, head.prev.weight.detach(), head.gate.weight.detach(), head.next.detach())
+    m = random_marginals(3, 3, vocab=vocab, seed=2)
+    for d, parent in ((1, 9), (2, 0), (3, 13)):  # target id 0: outside the draft vocabulary
+        ids, logp = rho.conditional(ctx_for(m, [parent]), d, [[]])
+        h = m.hidden[d - 1]
+        want = torch.log_softmax(h @ draft_head.T + head(h, t2d[parent]).detach(), dim=-1)
+        torch.testing.assert_close(logp[0], want[ids])
 
 
 def test_unknown_method_and_missing_rho():

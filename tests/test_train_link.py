@@ -271,10 +271,17 @@ def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it
     assert presto["lambdas_by_rho"]["prefix-ngram"] == [report["lambda"]]
     assert report["default_score"] is not None and presto["rho"] == report["default_now"]
     assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
+    with pytest.raises(ValueError, match="another head or other settings"):  # its replays are not these
+        choose_lambda(headed, flags, root / "lambda", grid=(0.0,), budgets=(2,), max_new_tokens=8,
+                      target=str(target))
+    with pytest.raises(ValueError, match="train acceptance"):  # a rescoring rho is fitted, not chosen
+        choose_lambda(headed, flags, root / "lambda-ngram", rho="ngram", target=str(target))
 
     cfg = link_config(chain, "headed-link", parent=str(headed), steps=5, choose_n=1)
     linked = run_link(cfg)
     assert all("prefix-ngram" in linked[who]["tau_by_rho"] for who in ("candidate", "parent"))
+    # reported, never chosen: its tree building costs what a replay does not see
+    assert "prefix-ngram" not in (linked["candidate"]["rho"], linked["parent"]["rho"])
     candidate = json.loads((root / "headed-link" / "candidate" / "presto.json").read_text())
     assert candidate["lambdas_by_rho"]["prefix-ngram"][0] in (0.0, 0.1, 0.25, 0.5, 1.0)
     # a head put in over another: the lambdas chosen for the old one go, its rho falls back

@@ -111,7 +111,8 @@ class BuiltTree:
 
 
 class NodeScorer:
-    """Scores the top-K candidates at a depth for a batch of drafted prefixes."""
+    """Scores each drafted prefix's candidate children at a depth: the marginal's top-K,
+    or the rho provider's own per-parent proposal where it has one."""
 
     def __init__(
         self,

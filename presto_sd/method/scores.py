@@ -255,8 +255,10 @@ class PrefixRho:
 
     def __post_init__(self) -> None:
         ids = self.t2d.ge(0).nonzero()[:, 0]
-        self.d2t = torch.empty(self.draft_head.shape[0], dtype=torch.long, device=ids.device)
+        self.d2t = torch.full((self.draft_head.shape[0],), -1, dtype=torch.long, device=ids.device)
         self.d2t[self.t2d[ids]] = ids
+        if bool((self.d2t < 0).any()):
+            raise ValueError("PrefixRho: t2d must map a target id to every draft id")
 
     @torch.no_grad()
     def conditional(self, ctx: ScoringContext, depth: int,
@@ -265,7 +267,8 @@ class PrefixRho:
         m = ctx.marginals
         if m.hidden is None:
             raise ValueError("the prefix rho provider needs the drafter's hidden states")
-        if "prefix-support" not in ctx.memo:  # every depth's share at once, once a round
+        key = ("prefix-support", id(self))  # this head's: another provider may score the same round
+        if key not in ctx.memo:  # every depth's share at once, once a round
             h = m.hidden.float()  # [D, H]
             full = (m.draft_log_probs if m.draft_log_probs is not None  # the drafter's own log q
                     else torch.log_softmax((h.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1))
@@ -273,15 +276,15 @@ class PrefixRho:
             rest = (1 - top.values.exp().sum(-1)).clamp_min(0).log()  # [D]: the mass outside
             gain = 1 + h @ self.gate.T  # [D, R]
             next_rows = self.next[top.indices] * gain[:, None, :]  # [D, M, R]
-            ctx.memo["prefix-support"] = (top.indices, top.values, next_rows, rest)
-        ids, log_q, next_rows, rest = (x[depth - 1] for x in ctx.memo["prefix-support"])
+            ctx.memo[key] = (top.indices, top.values, next_rows, rest)
+        ids, log_q, next_rows, rest = (x[depth - 1] for x in ctx.memo[key])
         parents = self.t2d[[p[-1] if p else ctx.context_tokens[-1] for p in prefixes]]
         cond = log_q + self.prev[torch.where(parents < 0, len(self.prev) - 1, parents)] @ next_rows.T
         return ids, cond - torch.logaddexp(torch.logsumexp(cond, dim=-1, keepdim=True), rest)
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
         ids, logp = self.conditional(ctx, depth, prefixes)  # [M], [P, M]
-        where = torch.full((len(self.d2t),), -1, dtype=torch.long)
+        where = torch.full((len(self.d2t),), -1, dtype=torch.long, device=ids.device)
         where[ids] = torch.arange(len(ids))
         cand = self.t2d[candidates]  # [P, C]; outside the draft vocabulary: q = 0
         col = torch.where(cand >= 0, where[cand.clamp_min(0)], -1)  # outside the support: the floor
@@ -297,7 +300,8 @@ class PrefixProposalRho:
     depth; here each node's children are the top-K of ``q_d(. | its parent token)`` with
     that conditional as their ``log q``, and ``rho = min(1, p_ng / q_d(t | parent))`` (the
     n-gram sees the whole drafted prefix, the head only the parent). With ``lambda = 0`` a
-    tree is best-first on the conditional alone.
+    tree is best-first on the conditional alone. Under TAPS, ``a(u)`` is that n-gram rho (as
+    with ``--taps-rho ngram``), over the head's candidates; TAPS's default stays ``hphi``.
     """
 
     prefix: PrefixRho

@@ -296,7 +296,8 @@ def position_stats(
 
 def _count_conditional(stats: PositionStats, prefix, marginals, context: list[int], truth: list[int],
                        vocab: torch.Tensor, top_k: int) -> None:
-    """Rank the whole draft vocabulary at each depth given the TRUE parent token."""
+    """Rank the draft vocabulary at each depth given the TRUE parent token (the head scores
+    the marginal's top 256 only: a token outside them is never proposed, so it counts as a miss)."""
     from presto_sd.method.scores import ScoringContext
 
     ctx = ScoringContext(marginals, context)

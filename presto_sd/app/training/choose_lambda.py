@@ -17,6 +17,7 @@ from pathlib import Path
 
 from presto_sd.app.training.held_out_replay import CHOICE_METHOD, choice_score, held_out_replay, pooled
 from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, write_digests
+from presto_sd.models.loading import sha256_of
 
 GRID = (0.0, 0.1, 0.25, 0.5, 1.0)
 PROPOSING_RHOS = ("prefix-ngram",)  # rho providers whose lambda only a replay can choose
@@ -27,16 +28,34 @@ def choose_lambda(
     grid: Sequence[float] = GRID, budgets: Sequence[int] = (4, 16), max_new_tokens: int = 128,
     target: str | None = None, make_default: bool = False,
 ) -> dict:
-    """Replay ``drafter`` with ``rho`` at each lambda of ``grid`` on ``prompts`` (bench flags),
-    each replay kept under ``out`` (a rerun reuses them); write the best into its
-    ``presto.json``; return (and write, ``out/lambda_report.json``) what was measured."""
+    """Replay ``drafter`` with ``rho`` at each lambda of ``grid`` on the prompts the bench
+    flags ``prompts`` name, each replay kept under ``out`` (a rerun with the same drafter
+    files and settings reuses them; other ones are refused); write the best into its
+    ``presto.json``; return (and write, ``out/lambda_report.json``) what was measured.
+    ``make_default`` judges by tau alone: a proposing rho's tree building is not in it."""
     drafter, out = Path(drafter), Path(out)
     presto_file = drafter / PRESTO_FILE
+    if rho not in PROPOSING_RHOS:  # the others' per-depth lambdas are train acceptance's fit
+        raise ValueError(f"rho {rho!r}: choose-lambda chooses {', '.join(PROPOSING_RHOS)}'s lambda "
+                         "(`train acceptance` fits the others per depth)")
     if not presto_file.is_file():
         raise FileNotFoundError(f"{presto_file}: choose-lambda adds to a drafter's fitted presto.json "
                                 "(`presto-sd train acceptance` writes it)")
+    config = json.loads((drafter / "config.json").read_text())
+    if not config.get("dflash_config", {}).get("prefix_head_rank"):
+        raise ValueError(f"{drafter} has no prefix head: {rho} draws children from one "
+                         "(`train add-head`)")
     if not grid or any(lam < 0 for lam in grid):
         raise ValueError(f"grid {list(grid)}: give one or more lambdas >= 0")
+    # the replays kept in `out` are reused only for the same drafter files and settings
+    weights = {f.name: sha256_of(f) for f in sorted(drafter.glob("*.safetensors"))}
+    settings = {"rho": rho, "budgets": list(budgets), "prompts": list(prompts),
+                "max_new_tokens": max_new_tokens, "target": target, "weights": weights}
+    record = out / "lambda_settings.json"
+    if record.is_file() and json.loads(record.read_text()) != settings:
+        raise ValueError(f"{out} holds replays of another head or other settings: give a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(settings, indent=2) + "\n")
     presto = json.loads(presto_file.read_text())
     scores = {}
     for lam in grid:
@@ -62,6 +81,5 @@ def choose_lambda(
               "lambda": best, "default_rho": default,
               "default_score": None if default_score is None else round(default_score, 4),
               "default_now": presto["rho"]}
-    out.mkdir(parents=True, exist_ok=True)
     (out / "lambda_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -159,7 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "the mix a link chooses on); never a benchmark's")
     cl.add_argument("--n", type=int, default=LinkConfig.choose_n,
                     help="prompts of each set in the file (default: %(default)s)")
-    cl.add_argument("--rho", default=PROPOSING_RHOS[0], help="(default: %(default)s)")
+    cl.add_argument("--rho", default=PROPOSING_RHOS[0], choices=PROPOSING_RHOS, help="(default: %(default)s)")
     cl.add_argument("--grid", default=",".join(f"{x:g}" for x in GRID),
                     help="lambdas to try (default: %(default)s)")
     cl.add_argument("--budgets", default="4,16",
@@ -169,7 +169,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--target", default=None, help="the target (default: the drafter's own)")
     cl.add_argument("--out", required=True, help="a dir for the replays and lambda_report.json (reused)")
     cl.add_argument("--make-default", action="store_true",
-                    help="also make the rho the drafter's default where it beats the current default's score")
+                    help="also make the rho the drafter's default where it beats the current default's "
+                         "score (by tau alone: time it live first, scripts/rho_ab.py)")
     train.set_defaults(run=run)
 
 

@@ -13,10 +13,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from presto_sd.models.assets import DIGESTS_FILE, PREFIX_HEAD_FILE, PRESTO_FILE, write_digests
 from presto_sd.models.dflash import DFlashDraftModel
 
 KEPT = ("training_report.json", "train_log.jsonl")  # beside the weights, or in the run dir above
+HEAD_RHOS = ("prefix", "prefix-ngram")  # rho providers a prefix head makes: their lambdas are its
+HEAD_REPORT = "prefix_head_report.json"  # the head's training report, in the drafter dir it joined
 
 
 def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -37,7 +41,6 @@ def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype =
     return out
 
 
-HEAD_RHOS = ("prefix", "prefix-ngram")  # rho providers a prefix head makes: their lambdas are its
 
 
 def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
@@ -50,8 +53,6 @@ def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
     ``presto.json`` (the default rho falls back to ``ngram`` if it was one of them); the
     digests are rewritten. ``train choose-lambda`` then chooses ``prefix-ngram``'s lambda.
     """
-    from presto_sd.models.assets import DIGESTS_FILE, PREFIX_HEAD_FILE, PRESTO_FILE, write_digests
-
     checkpoint, drafter = Path(checkpoint), Path(drafter)
     trained = DFlashDraftModel.load(checkpoint)
     if trained.prefix_head is None:
@@ -66,23 +67,22 @@ def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
             or (trained.d2t is not None and not torch.equal(trained.d2t, base.d2t))):
         raise ValueError(f"{checkpoint}'s drafter weights are not {drafter}'s: a head is trained on "
                          "the drafter it ships with (train drafter --init-drafter DRAFTER --prefix-only)")
-    from safetensors.torch import save_file
-
+    config.setdefault("dflash_config", {})["prefix_head_rank"] = trained.config.prefix_head_rank
     head = {k: v.detach().to("cpu", dtype).contiguous() for k, v in trained.state_dict().items()
             if k.startswith("prefix_head.")}
     save_file(head, drafter / PREFIX_HEAD_FILE, metadata={"format": "pt"})
-    config["dflash_config"]["prefix_head_rank"] = trained.config.prefix_head_rank
     (drafter / "config.json").write_text(json.dumps(config, indent=2))
     report = next((p for p in (checkpoint / KEPT[0], checkpoint.parent / KEPT[0]) if p.is_file()), None)
+    (drafter / HEAD_REPORT).unlink(missing_ok=True)  # an older head's
     if report is not None:
-        shutil.copyfile(report, drafter / "prefix_head_report.json")
+        shutil.copyfile(report, drafter / HEAD_REPORT)
     presto_file = drafter / PRESTO_FILE
     if presto_file.is_file():
         presto = json.loads(presto_file.read_text())
         by_rho = {k: v for k, v in presto.get("lambdas_by_rho", {}).items() if k not in HEAD_RHOS}
         if presto.get("rho") in HEAD_RHOS:
-            rho = "ngram" if "ngram" in by_rho else next(iter(by_rho), None)
-            presto.update(rho=rho, lambdas=by_rho.get(rho, []))
+            rho = "ngram" if "ngram" in by_rho else next(iter(by_rho), "ngram")
+            presto.update(rho=rho, lambdas=by_rho.get(rho, []))  # no lambdas: a request's are 1
         presto["lambdas_by_rho"] = by_rho
         presto_file.write_text(json.dumps(presto, indent=2))
     if (drafter / DIGESTS_FILE).is_file():

@@ -12,7 +12,8 @@ output in the link's dir and is skipped when it is there, so an interrupted link
     data/        the shards' features and soft labels (``train features``; cached by sha256)
     run/         the training run (``train drafter --init-drafter PARENT``; resumable)
     candidate/   the exported drafter with its predictors (``train export``, ``train acceptance``)
-    choice/      the held-out mix (``heldout-mix.jsonl``), one replay per (drafter, rho) (``bench --replay``)
+    choice/      the held-out mix (``heldout-mix.jsonl``), one replay per (drafter, rho) (``bench --replay``);
+                 with a head, ``candidate-lambda/``: prefix-ngram's lambda (``choose_lambda``)
     link_report.json   the taus, each drafter's best rho, and whether the candidate beats its parent
 
 Shipping stays a person's act: the report names the command that copies the candidate.
@@ -329,7 +330,10 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
 
     my_rows, their_rows = by_rho(candidate, "candidate"), by_rho(parent, "parent")
     mine, theirs = ({rho: pooled(rows) for rho, rows in t.items()} for t in (my_rows, their_rows))
-    rho, parent_rho = (max(t, key=lambda r: score(t[r])) for t in (mine, theirs))
+    # a proposing rho (prefix-ngram) is replayed and reported, never chosen: its tau costs tree
+    # building that a replay does not see (slower at the CLI's budget 4 on a 2-core CPU, paired)
+    rho, parent_rho = (max((r for r in t if r not in PROPOSING_RHOS), key=lambda r: score(t[r]))
+                       for t in (mine, theirs))
     presto_file = candidate / "presto.json"
     presto = json.loads(presto_file.read_text())
     if (presto["rho"], presto["lambdas"]) != (rho, presto["lambdas_by_rho"][rho]):
