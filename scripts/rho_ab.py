@@ -6,7 +6,7 @@ setting A and setting B in turn (which goes first alternates): each pass's token
 medians, the B/A ratio pair by pair, and whether both give the same tokens (they must: the
 tree changes, the output does not). The first pair warms up and is not counted.
 
-    .venv/bin/python scripts/rho_ab.py --a prefix-ngram:0.25 --b ngram:0.5,0.75,0.75,1,1.5,3,2
+    .venv/bin/python scripts/rho_ab.py --a prefix-ngram:0.25 --b ngram   # ngram at its fitted lambdas
 
 Time it on a quiet machine (stop background jobs, and check `ps -o stat` shows `T`).
 """
@@ -20,8 +20,9 @@ import time
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--a", default="prefix-ngram:0.25", help="RHO:LAMBDAS (default: %(default)s)")
-    p.add_argument("--b", default="ngram:0.5,0.75,0.75,1,1.5,3,2", help="RHO:LAMBDAS (default: %(default)s)")
+    p.add_argument("--a", default="prefix-ngram:0.25",
+                   help="RHO[:LAMBDAS] (no lambdas: the drafter's fitted ones) (default: %(default)s)")
+    p.add_argument("--b", default="ngram", help="RHO[:LAMBDAS] (default: %(default)s)")
     p.add_argument("--method", default="presto-best-first")
     p.add_argument("--budget", type=int, default=4)
     p.add_argument("--datasets", default="gsm8k,mtbench")
@@ -43,9 +44,9 @@ def main() -> int:
                for ds in args.datasets.split(",") for q in load_prompts(ds, "heldout", args.n)]
     settings = {}
     for name, spec in (("A", args.a), ("B", args.b)):
-        rho, lambdas = spec.split(":")
+        rho, _, lambdas = spec.partition(":")
         flags = ["generate", "x", "--method", args.method, "--budget", str(args.budget), "--rho", rho,
-                 "--lambda", lambdas, "--max-new-tokens", str(args.max_new_tokens)]
+                 *(["--lambda", lambdas] if lambdas else []), "--max-new-tokens", str(args.max_new_tokens)]
         settings[name] = generation_params(build_parser().parse_args(flags), stack.verifier.eos_token_ids,
                                            stack.drafter_info)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(prompts)} prompts, "
