@@ -164,6 +164,12 @@ def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
     built = build_presto_best_first_tree(anchor, ctx_for(m, [1, 2, anchor]), rho,
                                          TreeParams(budget=3, depth=3, lambdas=(0.0,)))
     assert built.tree.tokens == (anchor, 5, 6, 7)  # the chain each parent's conditional names
+    beam = build_presto_beam_tree(anchor, ctx_for(m, [1, 2, anchor]), rho,
+                                  TreeParams(budget=6, depth=3, branching=2, beam=2, lambdas=(0.0,)))
+    for node in range(1, len(beam.tree.tokens)):  # a beam's frontier rows each get their own children
+        parent_token = beam.tree.tokens[beam.tree.parents[node]]
+        best_child = int(draft_ids[(t2d[parent_token] + 1) % n])
+        assert best_child in [beam.tree.tokens[c] for c in beam.tree.children(beam.tree.parents[node])]
     ids, logp = prefix.conditional(ctx_for(m, [anchor]), 1, [[]])
     assert built.path_scores[1] == pytest.approx(float(logp[0, (ids == t2d[5]).nonzero()[0, 0]]))
     assert logp.exp().sum() == pytest.approx(1.0)  # the whole draft vocabulary is the support here
