@@ -252,6 +252,7 @@ class PrefixRho:
     name: str = "prefix"
     support: int = 256
     d2t: torch.Tensor = field(init=False, repr=False)  # long [Vd]: t2d's inverse
+    _prev_row: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         ids = self.t2d.ge(0).nonzero()[:, 0]
@@ -259,8 +260,11 @@ class PrefixRho:
         self.d2t[self.t2d[ids]] = ids
         if bool((self.d2t < 0).any()):
             raise ValueError("PrefixRho: t2d must map a target id to every draft id")
+        # a target id's row of ``prev`` (the last: outside the draft vocabulary), as Python ints:
+        # one index a node instead of three small tensor ops
+        self._prev_row = torch.where(self.t2d < 0, len(self.prev) - 1, self.t2d).tolist()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def conditional(self, ctx: ScoringContext, depth: int,
                     prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The support's draft ids [M] and ``log q_d(. | parent)`` over them [P, M], a row a prefix."""
@@ -278,8 +282,8 @@ class PrefixRho:
             next_rows = self.next[top.indices] * gain[:, None, :]  # [D, M, R]
             ctx.memo[key] = (top.indices, top.values, next_rows, rest)
         ids, log_q, next_rows, rest = (x[depth - 1] for x in ctx.memo[key])
-        parents = self.t2d[[p[-1] if p else ctx.context_tokens[-1] for p in prefixes]]
-        cond = log_q + self.prev[torch.where(parents < 0, len(self.prev) - 1, parents)] @ next_rows.T
+        rows = [self._prev_row[p[-1] if p else ctx.context_tokens[-1]] for p in prefixes]
+        cond = log_q + self.prev[rows] @ next_rows.T
         return ids, cond - torch.logaddexp(torch.logsumexp(cond, dim=-1, keepdim=True), rest)
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
