@@ -271,6 +271,13 @@ def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it
     assert presto["lambdas_by_rho"]["prefix-ngram"] == [report["lambda"]]
     assert report["default_score"] is not None and presto["rho"] == report["default_now"]
     assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
+    # a rerun of `train acceptance` refits the others and keeps the lambda chosen by the replay
+    train_acceptance(AcceptanceConfig(drafter=str(headed), data=str(root / "data0"), target=str(target),
+                                      n_prompts=4, max_new_tokens=8, budget=8, depth=3, epochs=2,
+                                      corpus=str(chain[1]), corpus_from_shard=1))
+    refit = json.loads((headed / "presto.json").read_text())["lambdas_by_rho"]
+    assert refit["prefix-ngram"] == [report["lambda"]] and {"hphi", "ngram", "prefix"} <= set(refit)
+    assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
     with pytest.raises(ValueError, match="another head or other settings"):  # its replays are not these
         choose_lambda(headed, flags, root / "lambda", grid=(0.0,), budgets=(2,), max_new_tokens=8,
                       target=str(target))

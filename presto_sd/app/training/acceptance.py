@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from presto_sd.app.training.choose_lambda import PROPOSING_RHOS
 from presto_sd.method.builders import MAX_CANDIDATES, TreeParams
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import RHO_FLOOR, HPhi, NGramRho, ScoringContext, hphi_features
@@ -318,8 +319,11 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     }
     # the default provider: the one that adds most to q's ranking of siblings (held-out)
     best = max(fits, key=lambda k: ranking_gain[k])
+    # a proposing rho's lambda was chosen by the replay (`train choose-lambda`), not fitted here: kept
+    before = json.loads((out / "presto.json").read_text()) if (out / "presto.json").is_file() else {}
+    kept = {k: v for k, v in before.get("lambdas_by_rho", {}).items() if k in PROPOSING_RHOS and has_prefix}
     (out / "presto.json").write_text(json.dumps({"rho": best, "lambdas": lambdas[best],
-                                                 "lambdas_by_rho": lambdas}, indent=2))
+                                                 "lambdas_by_rho": {**lambdas, **kept}}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))
     plot_reliability(report, out / "reliability.png")
     write_digests(out)  # the dir is what ships: its digests are written with its last file
