@@ -289,7 +289,7 @@ class PrefixRho:
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
         ids, logp = self.conditional(ctx, depth, prefixes)  # [M], [P, M]
         where = torch.full((len(self.d2t),), -1, dtype=torch.long, device=ids.device)
-        where[ids] = torch.arange(len(ids))
+        where[ids] = torch.arange(len(ids), device=ids.device)
         cand = self.t2d[candidates]  # [P, C]; outside the draft vocabulary: q = 0
         col = torch.where(cand >= 0, where[cand.clamp_min(0)], -1)  # outside the support: the floor
         floor = math.log(RHO_FLOOR)
