@@ -38,6 +38,12 @@ def file_digests(path: Path) -> dict[str, str]:
             for f in sorted(path.rglob("*")) if f.is_file() and f.name != DIGESTS_FILE}
 
 
+def has_prefix_head(path: Path) -> bool:
+    """Does the drafter dir's config name a prefix head (``dflash_config.prefix_head_rank``)?"""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return bool(config.get("dflash_config", {}).get("prefix_head_rank"))
+
+
 def write_digests(path: Path) -> Path:
     """Record the digests of a drafter dir about to ship (``presto-sd train`` writes the files)."""
     out = Path(path) / DIGESTS_FILE

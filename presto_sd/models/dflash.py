@@ -319,17 +319,16 @@ class DFlashDraftModel(nn.Module):
 
         The prefix head goes into its own ``prefix_head.safetensors``: a head trained alone
         on a frozen drafter leaves ``model.safetensors`` byte for byte the drafter's, so
-        shipping one adds its ~2 MB to a repository, not the drafter's ~25 MB again.
+        shipping one adds its few MB to a repository, not the drafter's ~25 MB again.
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
         for old in [*path.glob("model*.safetensors"), path / PREFIX_HEAD_FILE]:
             old.unlink(missing_ok=True)
-        head = {k: state.pop(k) for k in [k for k in state if k.startswith("prefix_head.")]}
-        if head:
-            save_file(head, path / PREFIX_HEAD_FILE, metadata={"format": "pt"})
+        self.save_prefix_head(path, dtype)
+        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()
+                 if not k.startswith("prefix_head.")}
         limit = int(max_file_mb * 2**20) if max_file_mb else None
         files: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -346,6 +345,14 @@ class DFlashDraftModel(nn.Module):
             save_file(part, path / name, metadata={"format": "pt"})
         if self.d2t is not None:
             save_file({"d2t": self.d2t.cpu().contiguous()}, path / "draft_vocab.safetensors")
+
+    def save_prefix_head(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """The prefix head's weights (in ``dtype`` if given) into ``path/prefix_head.safetensors``;
+        nothing without a head."""
+        head = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()
+                if k.startswith("prefix_head.")}
+        if head:
+            save_file(head, Path(path) / PREFIX_HEAD_FILE, metadata={"format": "pt"})
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:

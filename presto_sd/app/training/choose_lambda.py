@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from presto_sd.app.training.held_out_replay import CHOICE_METHOD, choice_score, held_out_replay, pooled
-from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, write_digests
+from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, has_prefix_head, write_digests
 from presto_sd.models.loading import sha256_of
 
 GRID = (0.0, 0.1, 0.25, 0.5, 1.0)
@@ -41,8 +41,7 @@ def choose_lambda(
     if not presto_file.is_file():
         raise FileNotFoundError(f"{presto_file}: choose-lambda adds to a drafter's fitted presto.json "
                                 "(`presto-sd train acceptance` writes it)")
-    config = json.loads((drafter / "config.json").read_text())
-    if not config.get("dflash_config", {}).get("prefix_head_rank"):
+    if not has_prefix_head(drafter):
         raise ValueError(f"{drafter} has no prefix head: {rho} draws children from one "
                          "(`train add-head`)")
     if not grid or any(lam < 0 for lam in grid):

@@ -13,9 +13,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from presto_sd.models.assets import DIGESTS_FILE, PREFIX_HEAD_FILE, PRESTO_FILE, write_digests
+from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, write_digests
 from presto_sd.models.dflash import DFlashDraftModel
 
 KEPT = ("training_report.json", "train_log.jsonl")  # beside the weights, or in the run dir above
@@ -39,8 +38,6 @@ def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype =
         if found is not None:
             shutil.copyfile(found, out / name)
     return out
-
-
 
 
 def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
@@ -68,9 +65,7 @@ def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
         raise ValueError(f"{checkpoint}'s drafter weights are not {drafter}'s: a head is trained on "
                          "the drafter it ships with (train drafter --init-drafter DRAFTER --prefix-only)")
     config.setdefault("dflash_config", {})["prefix_head_rank"] = trained.config.prefix_head_rank
-    head = {k: v.detach().to("cpu", dtype).contiguous() for k, v in trained.state_dict().items()
-            if k.startswith("prefix_head.")}
-    save_file(head, drafter / PREFIX_HEAD_FILE, metadata={"format": "pt"})
+    trained.save_prefix_head(drafter, dtype)
     (drafter / "config.json").write_text(json.dumps(config, indent=2))
     report = next((p for p in (checkpoint / KEPT[0], checkpoint.parent / KEPT[0]) if p.is_file()), None)
     (drafter / HEAD_REPORT).unlink(missing_ok=True)  # an older head's

@@ -38,7 +38,7 @@ from presto_sd.app.training.held_out_replay import (
     pooled,
 )
 from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES
-from presto_sd.models.assets import DIGESTS_FILE
+from presto_sd.models.assets import DIGESTS_FILE, has_prefix_head
 
 
 @dataclass(frozen=True)
@@ -274,8 +274,7 @@ def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict
 def _proposing_lambdas(cfg: LinkConfig, candidate: Path, out: Path, prompts: list[str]) -> None:
     """A candidate with a prefix head: the lambda of each rho that proposes its own children,
     which `train acceptance` cannot fit, chosen on the held-out prompts (``choose_lambda``)."""
-    config = json.loads((candidate / "config.json").read_text())
-    if not config.get("dflash_config", {}).get("prefix_head_rank"):
+    if not has_prefix_head(candidate):
         return
     fitted = json.loads((candidate / "presto.json").read_text()).get("lambdas_by_rho", {})
     for rho in PROPOSING_RHOS:
