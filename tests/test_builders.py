@@ -176,11 +176,13 @@ def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
     tokens, log_q = rho.propose(ctx_for(m, [anchor]), 2, [[5], [9]], 3)
     assert tokens[:, 0].tolist() == [6, 10] and bool((log_q[:, :1] > log_q[:, 1:]).all())
 
-    # the drafter hands in its full log q (no second lm_head matmul): the same conditional
+    # the drafter hands in its top-M (no second lm_head matmul or top-k): the same conditional
     head = torch.randn(len(draft_ids), hidden, generator=torch.Generator().manual_seed(1))
     rich = PrefixRho(head, t2d, *transition)
     full = torch.log_softmax(m.hidden @ head.T, dim=-1)
-    kept = DraftMarginals(m.token_ids, m.log_probs, m.entropy, m.hidden, full)
+    kept = DraftMarginals.top_of(full, m.top_k, m.hidden, wide=rich.wide)
+    assert kept.wide_ids.shape == (m.depth, len(draft_ids))  # the support: the whole vocabulary here
+    assert torch.equal(kept.token_ids, full.topk(m.top_k).indices)
     for d in (1, 2, 3):
         for a, b in zip(rich.conditional(ctx_for(kept, [anchor]), d, [[5], [7]]),
                         rich.conditional(ctx_for(m, [anchor]), d, [[5], [7]])):

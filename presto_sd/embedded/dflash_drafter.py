@@ -194,26 +194,27 @@ class DFlashDrafter(CheckedDrafter):
         return s.base
 
     # -- drafting -----------------------------------------------------------------------
-    def marginals(self, session: _DraftSession, anchor: int, depth: int, top_k: int) -> DraftMarginals:
-        """One drafter forward over ``[anchor, MASK x (L-1)]``; top-K of the first ``depth``."""
-        return self._marginals([(session, anchor, depth, top_k)])[0]
+    def marginals(self, session: _DraftSession, anchor: int, depth: int, top_k: int,
+                  wide: int = 0) -> DraftMarginals:
+        """One drafter forward over ``[anchor, MASK x (L-1)]``; top-K of the first ``depth``
+        (and their top-``wide`` draft ids, for a prefix head's support)."""
+        return self._marginals([(session, anchor, depth, top_k, wide)])[0]
 
     @torch.inference_mode()
-    def _marginals(self, items: list[tuple[_DraftSession, int, int, int]]) -> list[DraftMarginals]:
-        """Every (session, anchor, depth, top_k)'s block in ONE drafter forward."""
+    def _marginals(self, items: list[tuple[_DraftSession, int, int, int, int]]) -> list[DraftMarginals]:
+        """Every (session, anchor, depth, top_k, wide)'s block in ONE drafter forward."""
         c = self.config
         block = torch.full((len(items), c.block_size), c.mask_token_id, dtype=torch.long)
-        block[:, 0] = torch.tensor([anchor for _, anchor, _, _ in items])
+        block[:, 0] = torch.tensor([anchor for _, anchor, *_ in items])
         embeds = self.embed_tokens[block].to(self.model.fc.weight.dtype)
         positions = torch.stack([torch.arange(s.base, s.base + c.block_size) for s, *_ in items])
-        depth = max(d for _, _, d, _ in items)
+        depth = max(d for _, _, d, *_ in items)
         hidden = self.model(embeds, positions, [s.kv for s, *_ in items])[:, 1 : depth + 1]
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.draft_head.dtype)  # one matmul for all
         logp = torch.log_softmax((rows @ self.draft_head.T).float(), dim=-1).view(len(items), depth, -1)
         out = []
-        for r, (_, _, d, k) in enumerate(items):
-            m = DraftMarginals.top_of(logp[r, :d], min(k, logp.shape[-1]), hidden[r, :d].float(),
-                                      keep_full=self.model.prefix_head is not None)
+        for r, (_, _, d, k, wide) in enumerate(items):
+            m = DraftMarginals.top_of(logp[r, :d], min(k, logp.shape[-1]), hidden[r, :d].float(), wide)
             if self.d2t is not None:  # draft-vocabulary rows -> the target's token ids
                 m = replace(m, token_ids=self.d2t[m.token_ids])
             out.append(m)
@@ -242,8 +243,9 @@ class DFlashDrafter(CheckedDrafter):
         if not todo:
             return out
         t0 = time.perf_counter()
-        marginals = self._marginals([(s, calls[j].anchor, depth, calls[j].params.top_k)
-                                     for j, s, _, _, depth in todo])
+        # a prefix head's rho reads the top-M of each depth (``wide``): from the drafter's own top-k
+        marginals = self._marginals([(s, calls[j].anchor, depth, calls[j].params.top_k,
+                                      getattr(rho, "wide", 0)) for j, s, rho, _, depth in todo])
         forward_s = time.perf_counter() - t0
         for (j, s, rho, sizes_itself, _), m in zip(todo, marginals):
             try:

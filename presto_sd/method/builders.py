@@ -214,8 +214,8 @@ def _best_first(
         scores.append(-neg_s)
         prefixes.append(prefixes[parent] + [tok])
         depths.append(depths[parent] + 1)
-        if stop is not None and stop(-neg_s):
-            break
+        if len(tokens) - 1 == budget or (stop is not None and stop(-neg_s)):
+            break  # the tree is complete: its last node's children would be scored for nothing
         push_child(parent, rank + 1)
         expand(node, depths[node])
     return BuiltTree(TokenTree(tuple(tokens), tuple(parents), tuple(depths)), tuple(scores))

@@ -31,9 +31,11 @@ class DraftMarginals:
     log_probs: torch.Tensor  # float [D, K], log q_d (not renormalised over the top-K)
     entropy: torch.Tensor  # float [D], entropy of the full q_d
     hidden: torch.Tensor | None = None  # float [D, H], drafter output states (h_phi features)
-    # float [D, Vd]: log q_d over the whole draft vocabulary, kept for a prefix head's
-    # conditional (it would otherwise redo the lm_head matmul, ~0.6 ms a depth on a CPU)
-    draft_log_probs: torch.Tensor | None = None
+    # the top-M (M >= K) of log q_d over the draft vocabulary, draft ids [D, M] and log q
+    # [D, M], best first: a prefix head's support, from the drafter's own top-k (a second
+    # lm_head matmul and top-k would cost ~0.6 ms a depth on a CPU)
+    wide_ids: torch.Tensor | None = None
+    wide_log_probs: torch.Tensor | None = None
 
     @property
     def depth(self) -> int:
@@ -45,19 +47,23 @@ class DraftMarginals:
 
     @classmethod
     def top_of(cls, log_probs: torch.Tensor, top_k: int, hidden: torch.Tensor | None = None,
-               keep_full: bool = False) -> DraftMarginals:
+               wide: int = 0) -> DraftMarginals:
         """The top-``top_k`` of full log-probs ``[D, V]`` (one row a depth), and each row's
-        entropy; ``keep_full``: the full rows too (``draft_log_probs``)."""
-        top = torch.topk(log_probs, top_k, dim=-1)
+        entropy; ``wide``: the top-``wide`` too (``wide_ids``), from the same top-k."""
+        top = torch.topk(log_probs, min(max(top_k, wide), log_probs.shape[-1]), dim=-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return cls(top.indices, top.values, entropy, hidden, log_probs if keep_full else None)
+        ids, values = top.indices[:, :top_k], top.values[:, :top_k]
+        if not wide:
+            return cls(ids, values, entropy, hidden)
+        return cls(ids, values, entropy, hidden, top.indices[:, :wide], top.values[:, :wide])
 
     def head(self, depth: int, top_k: int) -> DraftMarginals:
         """The first ``depth`` positions, their best ``top_k`` candidates."""
-        hidden = None if self.hidden is None else self.hidden[:depth]
-        full = None if self.draft_log_probs is None else self.draft_log_probs[:depth]
+        def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[:depth]
         return DraftMarginals(self.token_ids[:depth, :top_k], self.log_probs[:depth, :top_k],
-                              self.entropy[:depth], hidden, full)
+                              self.entropy[:depth], rows(self.hidden), rows(self.wide_ids),
+                              rows(self.wide_log_probs))
 
 
 @dataclass
@@ -264,27 +270,41 @@ class PrefixRho:
         # one index a node instead of three small tensor ops
         self._prev_row = torch.where(self.t2d < 0, len(self.prev) - 1, self.t2d).tolist()
 
+    @property
+    def wide(self) -> int:
+        """How many of the marginal's best draft ids it reads a depth (``DraftMarginals.wide_ids``)."""
+        return self.support
+
     @torch.inference_mode()
     def conditional(self, ctx: ScoringContext, depth: int,
                     prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The support's draft ids [M] and ``log q_d(. | parent)`` over them [P, M], a row a prefix."""
-        m = ctx.marginals
-        if m.hidden is None:
-            raise ValueError("the prefix rho provider needs the drafter's hidden states")
-        key = ("prefix-support", id(self))  # this head's: another provider may score the same round
-        if key not in ctx.memo:  # every depth's share at once, once a round
-            h = m.hidden.float()  # [D, H]
-            full = (m.draft_log_probs if m.draft_log_probs is not None  # the drafter's own log q
-                    else torch.log_softmax((h.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1))
-            top = torch.topk(full, min(self.support, full.shape[-1]), dim=-1)  # [D, M]
-            rest = (1 - top.values.exp().sum(-1)).clamp_min(0).log()  # [D]: the mass outside
-            gain = 1 + h @ self.gate.T  # [D, R]
-            next_rows = self.next[top.indices] * gain[:, None, :]  # [D, M, R]
-            ctx.memo[key] = (top.indices, top.values, next_rows, rest)
-        ids, log_q, next_rows, rest = (x[depth - 1] for x in ctx.memo[key])
+        ids, log_q, next_rows, rest = self._depth_share(ctx, depth)
         rows = [self._prev_row[p[-1] if p else ctx.context_tokens[-1]] for p in prefixes]
         cond = log_q + self.prev[rows] @ next_rows.T
         return ids, cond - torch.logaddexp(torch.logsumexp(cond, dim=-1, keepdim=True), rest)
+
+    def _depth_share(self, ctx: ScoringContext, depth: int) -> tuple[torch.Tensor, ...]:
+        """A depth's support ids [M], their marginal log q [M], the head's ``next`` rows gated
+        by the depth's hidden state [M, R] and the log mass outside the support: once a
+        round and depth (a small tree never reads its block's later depths)."""
+        key = ("prefix-support", id(self), depth)  # this head's: another provider may score the round
+        if key in ctx.memo:
+            return ctx.memo[key]
+        m = ctx.marginals
+        if m.hidden is None:
+            raise ValueError("the prefix rho provider needs the drafter's hidden states")
+        h = m.hidden[depth - 1].float()  # [H]
+        width = min(self.support, self.draft_head.shape[0])
+        if m.wide_ids is not None and m.wide_ids.shape[-1] >= width:  # the drafter's own top-M
+            ids, log_q = m.wide_ids[depth - 1, :width], m.wide_log_probs[depth - 1, :width].float()
+        else:
+            full = torch.log_softmax((h.to(self.draft_head.dtype) @ self.draft_head.T).float(), dim=-1)
+            log_q, ids = torch.topk(full, width)
+        rest = (1 - log_q.exp().sum()).clamp_min(0).log()  # the mass outside the support
+        next_rows = self.next[ids] * (1 + h @ self.gate.T)  # [M, R]
+        ctx.memo[key] = share = (ids, log_q, next_rows, rest)
+        return share
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
         ids, logp = self.conditional(ctx, depth, prefixes)  # [M], [P, M]
@@ -311,6 +331,10 @@ class PrefixProposalRho:
     prefix: PrefixRho
     ngram: NGramRho
     name: str = "prefix-ngram"
+
+    @property
+    def wide(self) -> int:
+        return self.prefix.wide
 
     def propose(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]],
                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
