@@ -23,6 +23,7 @@ from presto_sd.method.scores import (
     RHO_FLOOR,
     ConstantRho,
     DraftMarginals,
+    LookupProposalRho,
     NGramRho,
     PrefixProposalRho,
     PrefixRho,
@@ -140,6 +141,31 @@ def test_rho_reorders_paths():
     ctx = ScoringContext(m, [5, first0], ng)
     b = build_presto_beam_tree(5, ctx, NGramRho(), TreeParams(budget=2, depth=2, branching=1, beam=1))
     assert b.tree.tokens == (5, first0, second)
+
+
+def test_lookup_proposal_folds_the_contexts_own_next_token_into_the_top_k():
+    """``ngram-lookup``: where the request's counts have seen the node's last two tokens, the
+    row's best token joins the candidates (the last slot, when the top-K lacks it) and every
+    candidate's ``q`` is the mixture with that row; where they have not, it is ``ngram``."""
+    m = random_marginals(4, 3, seed=5)
+    outside = next(t for t in range(50) if t not in m.token_ids.flatten().tolist())
+    context = [outside + 1, outside + 2, outside, 9, outside + 1, outside + 2]  # (a, b) -> outside, seen once
+    ctx = ctx_for(m, context)
+    rho = LookupProposalRho(NGramRho(), mix=0.5)
+    tokens, log_q = rho.propose(ctx, 1, [[]], 3)
+    assert tokens[0, 0] == outside and log_q[0, 0] == pytest.approx(math.log(0.5))  # (1 - mix) * 0 + mix * 1
+    assert tokens[0, 1:].tolist() == m.token_ids[0, :2].tolist()  # the marginal's best two, scaled
+    torch.testing.assert_close(log_q[0, 1:], m.log_probs[0, :2] + math.log(0.5))
+    # a drafted path that leaves the seen history: that node gets the marginal's own top-K
+    tokens, log_q = rho.propose(ctx, 2, [[outside], [17]], 3)
+    assert tokens[1].tolist() == m.token_ids[1].tolist() and torch.equal(log_q[1], m.log_probs[1])
+    # no counts at all, or mix 0: ngram's candidates and log q
+    for quiet, r in ((ScoringContext(m, context), rho), (ctx, LookupProposalRho(NGramRho(), mix=0.0))):
+        tokens, log_q = r.propose(quiet, 1, [[]], 3)
+        assert torch.equal(tokens[0], m.token_ids[0]) and torch.equal(log_q[0], m.log_probs[0])
+    # a tree follows what the context repeats, at lambda 0 too
+    built = build_presto_best_first_tree(context[-1], ctx, rho, TreeParams(budget=3, depth=3, lambdas=(0.0,)))
+    assert built.tree.tokens[1] == outside
 
 
 def test_prefix_proposal_draws_each_nodes_children_from_its_parent():

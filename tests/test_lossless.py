@@ -49,6 +49,18 @@ def test_taps_greedy_equals_ar_with_the_draft_gate_held_open(tiny_target, monkey
     assert trees >= 5  # the tiny model's trees are cheap: most rounds keep one
 
 
+@pytest.mark.parametrize("method", ["presto-beam", "presto-best-first", "taps"])
+@pytest.mark.parametrize("budget,depth", [(4, 3), (16, 15)])
+def test_greedy_equals_ar_with_the_lookup_proposal(tiny_target, method, budget, depth):
+    """``ngram-lookup`` proposes tokens from the request's own counts, outside the
+    drafter's top-K too: what it proposes is verified as any node is."""
+    verifier, drafter = make_engines(tiny_target)
+    for prompt in [[0, 3, 5, 7, 0, 3, 5, 7, 0, 3], *PROMPTS]:  # a repeat, for the lookup to fire
+        res = run(verifier, drafter, prompt, method, 24, budget=budget, depth=depth, rho="ngram-lookup",
+                  lambdas=(0.25,))
+        assert res.token_ids == hf_greedy(tiny_target, prompt, 24), (method, budget, depth, prompt)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 4])  # multi-query and plain multi-head too
 def test_greedy_equals_ar_other_attention_layouts(kv_heads):
     target = tiny_llama(kv_heads=kv_heads, seed=5)

@@ -59,10 +59,15 @@ def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
     work, candidate = chain[0] / "link1", chain[0] / "link1" / "candidate"
     assert json.loads((work / "link_report.json").read_text()) == report
     by_rho = report["candidate"]["tau_by_rho"]
-    assert set(by_rho) == {"hphi", "ngram"} and report["candidate"]["rho"] in by_rho
+    # ngram-lookup proposes its own candidates: its lambda chosen by the replay for the candidate
+    assert set(by_rho) == {"hphi", "ngram", "ngram-lookup"} and report["candidate"]["rho"] in by_rho
     assert all(f"presto-best-first@{b}" in taus for taus in by_rho.values() for b in (2, 4))
-    parent_by_rho = report["parent"]["tau_by_rho"]  # each drafter at its own best rho
-    assert set(parent_by_rho) == {"hphi", "ngram"} and report["parent"]["rho"] in parent_by_rho
+    parent_by_rho = report["parent"]["tau_by_rho"]  # each drafter at its own best rho, of one menu
+    assert set(parent_by_rho) == set(by_rho) and report["parent"]["rho"] in parent_by_rho
+    lookup_lambda = json.loads((candidate / "presto.json").read_text())["lambdas_by_rho"]["ngram-lookup"]
+    replayed = json.loads((work / "choice" / "parent-ngram-lookup" / "replay.json").read_text())
+    assert all(r["params"]["lambdas"] == lookup_lambda  # the parent has none: the candidate's
+               for r in replayed["rows"] if r["method"] == "presto-best-first")
     assert {"linear", "presto-best-first@2"} <= set(parent_by_rho["hphi"])
     assert isinstance(report["wins"], bool) and report["score"]["candidate"] >= 1.0
     # the chosen rho is what the candidate's presto.json names, and its digests still hold

@@ -31,6 +31,7 @@ from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import (
     ConstantRho,
     DraftMarginals,
+    LookupProposalRho,
     NGramRho,
     PrefixProposalRho,
     PrefixRho,
@@ -90,6 +91,8 @@ class DFlashDrafter(CheckedDrafter):
             "ngram": NGramRho(),
             **(rho_providers or {}),
         }
+        if isinstance(self.rho_providers["ngram"], NGramRho):  # the n-gram with the context's own lookup
+            self.rho_providers["ngram-lookup"] = LookupProposalRho(self.rho_providers["ngram"])
         if model.prefix_head is not None:  # the drafter's own prefix-conditioned estimate
             t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=lm_head.device)
             d2t = self.d2t if self.d2t is not None else torch.arange(self.vocab_size, device=lm_head.device)

@@ -347,6 +347,63 @@ class PrefixProposalRho:
         return self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
 
 
+@dataclass
+class LookupProposalRho:
+    """The marginal's top-K with the request's own n-gram (prompt lookup) folded in.
+
+    At each node the online n-gram's longest seen history (at least ``min_history`` tokens
+    of the context and the drafted path) names a next-token row; the node's proposal is the
+    mixture ``q' = (1 - mix) q + mix p_row`` (``p_row``: that row's counts, normalised), and
+    the row's best token, when the top-K lacks it, takes the last slot (its ``q`` counted
+    0: it lies below the K-th). ``rho = min(1, p_ng / q')`` is the n-gram rho against
+    ``q'``. Without a row, or with ``mix = 0``, it is ``ngram``. What a context repeats
+    (code's names, a question's numbers, a list's structure) is proposed at any depth, where
+    the marginal has no way to know which of its guesses the path above already wrote.
+    """
+
+    ngram: NGramRho
+    mix: float = 0.5
+    min_history: int = 2
+    name: str = "ngram-lookup"
+
+    def propose(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]],
+                top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate target ids [P, K] and their mixture ``log q'`` [P, K], best first."""
+        m = ctx.marginals
+        ids, log_q = m.token_ids[depth - 1, :top_k], m.log_probs[depth - 1, :top_k].float()
+        rows_ids, rows_q = [], []
+        for prefix in prefixes:
+            row = self._row(ctx.online_ngram, ctx.context_tokens + prefix) if self.mix else None
+            if row is None:
+                rows_ids.append(ids)
+                rows_q.append(log_q)
+                continue
+            cands, q = ids.tolist(), log_q.exp().tolist()
+            best = max(row, key=row.get)
+            if best not in cands:
+                cands[-1], q[-1] = best, 0.0
+            mix = self.mix
+            mixed = torch.tensor([(1 - mix) * qt + mix * row.get(t, 0.0) for t, qt in zip(cands, q)])
+            order = torch.argsort(mixed, descending=True, stable=True)
+            rows_ids.append(torch.tensor(cands)[order])
+            rows_q.append(mixed[order].log())  # every candidate > 0: the top-K's q, the row's best
+        return torch.stack(rows_ids), torch.stack(rows_q)
+
+    def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
+        return self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
+
+    def _row(self, ng: NGramModel | None, history: list[int]) -> dict[int, float] | None:
+        """The longest seen history's next-token distribution; None under ``min_history``."""
+        if ng is None:
+            return None
+        for k in range(min(ng.order - 1, len(history)), self.min_history - 1, -1):
+            h = tuple(history[-k:])
+            total = ng.totals[k].get(h, 0)
+            if total:
+                return {t: c / total for t, c in ng.counts[k][h].items()}
+        return None
+
+
 def prefix_aligned_scores(
     log_q: torch.Tensor, log_rho: torch.Tensor, lam: float
 ) -> torch.Tensor:

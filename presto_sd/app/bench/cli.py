@@ -64,8 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("drafting")
     add_tree_args(t)
     t.add_argument("--rho", default=None,
-                   help="PRESTO rho provider: ngram | hphi | constant | prefix | prefix-ngram (the last two: "
-                        "drafters with a prefix head)")
+                   help="PRESTO rho provider: ngram | ngram-lookup | hphi | constant | prefix | prefix-ngram "
+                        "(the last two: drafters with a prefix head)")
     t.add_argument("--lambda", dest="lambdas", default=None, help="lambda_d: one value or per depth")
     t.add_argument("--taps-cap", type=int, default=64,
                    help="taps: the most draft nodes a round may choose (default: %(default)s)")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from presto_sd.app.training.choose_lambda import PROPOSING_RHOS
+from presto_sd.app.training.export import HEAD_RHOS
 from presto_sd.method.builders import MAX_CANDIDATES, TreeParams
 from presto_sd.method.ngram import NGramModel
 from presto_sd.method.scores import RHO_FLOOR, HPhi, NGramRho, ScoringContext, hphi_features
@@ -321,7 +322,8 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     best = max(fits, key=lambda k: ranking_gain[k])
     # a proposing rho's lambda was chosen by the replay (`train choose-lambda`), not fitted here: kept
     before = json.loads((out / "presto.json").read_text()) if (out / "presto.json").is_file() else {}
-    kept = {k: v for k, v in before.get("lambdas_by_rho", {}).items() if k in PROPOSING_RHOS and has_prefix}
+    kept = {k: v for k, v in before.get("lambdas_by_rho", {}).items()
+            if k in PROPOSING_RHOS and (has_prefix or k not in HEAD_RHOS)}
     (out / "presto.json").write_text(json.dumps({"rho": best, "lambdas": lambdas[best],
                                                  "lambdas_by_rho": {**lambdas, **kept}}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))

@@ -3,7 +3,8 @@
 ``train acceptance`` fits lambda_d on traces of marginal trees, so it can fit a provider that
 rescores the marginal's candidates (``ngram``, ``hphi``, ``prefix``), not one that proposes
 its own (``prefix-ngram``: each node's children drawn from the prefix head's conditional
-given the node's token). Those get their lambda the way a link gets its rho: one replay per
+given the node's token; ``ngram-lookup``: the marginal's top-K mixed with the request's own
+n-gram row). Those get their lambda the way a link gets its rho: one replay per
 value of a grid on held-out prompts, ``CHOICE_METHOD`` tau averaged over the budgets. The
 best goes into ``presto.json``'s ``lambdas_by_rho`` and, with ``make_default``, becomes the
 drafter's default rho where it beats the default's own score; the digests are rewritten.
@@ -15,12 +16,16 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from presto_sd.app.training.export import HEAD_RHOS
 from presto_sd.app.training.held_out_replay import CHOICE_METHOD, choice_score, held_out_replay, pooled
 from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, has_prefix_head, write_digests
 from presto_sd.models.loading import sha256_of
 
 GRID = (0.0, 0.1, 0.25, 0.5, 1.0)
-PROPOSING_RHOS = ("prefix-ngram",)  # rho providers whose lambda only a replay can choose
+PROPOSING_RHOS = ("prefix-ngram", "ngram-lookup")  # rho providers whose lambda only a replay can choose
+# replayed and reported by a link, never chosen: its tree building costs more than its tau buys
+# at the CLI's budget 4 on a 2-core CPU (paired, docs/benchmarks.md); ngram-lookup's does not
+REPORTED_ONLY_RHOS = ("prefix-ngram",)
 
 
 def choose_lambda(
@@ -41,7 +46,7 @@ def choose_lambda(
     if not presto_file.is_file():
         raise FileNotFoundError(f"{presto_file}: choose-lambda adds to a drafter's fitted presto.json "
                                 "(`presto-sd train acceptance` writes it)")
-    if not has_prefix_head(drafter):
+    if rho in HEAD_RHOS and not has_prefix_head(drafter):
         raise ValueError(f"{drafter} has no prefix head: {rho} draws children from one "
                          "(`train add-head`)")
     if not grid or any(lam < 0 for lam in grid):

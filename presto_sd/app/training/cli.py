@@ -151,7 +151,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     from presto_sd.app.training.choose_lambda import GRID, PROPOSING_RHOS
 
     cl = tsub.add_parser("choose-lambda", help="the lambda of a rho that proposes its own candidates "
-                         "(prefix-ngram: children from the prefix head's conditional), chosen by the replay "
+                         "(prefix-ngram: children from the prefix head's conditional; ngram-lookup: the "
+                         "marginal's top-K mixed with the request's own n-gram), chosen by the replay "
                          "on held-out prompts and written into the drafter's presto.json")
     cl.add_argument("--drafter", required=True, help="the drafter dir (with its presto.json)")
     cl.add_argument("--prompts-file", required=True,

@@ -13,7 +13,9 @@ output in the link's dir and is skipped when it is there, so an interrupted link
     run/         the training run (``train drafter --init-drafter PARENT``; resumable)
     candidate/   the exported drafter with its predictors (``train export``, ``train acceptance``)
     choice/      the held-out mix (``heldout-mix.jsonl``), one replay per (drafter, rho) (``bench --replay``);
-                 with a head, ``candidate-lambda/``: prefix-ngram's lambda (``choose_lambda``)
+                 ``candidate-lambda/RHO/``: the lambda of each rho that proposes its own candidates
+                 (``choose_lambda``: ngram-lookup; prefix-ngram with a head); a rho one drafter
+                 lacks is replayed for it at the other's lambdas
     link_report.json   the taus, each drafter's best rho, and whether the candidate beats its parent
 
 Shipping stays a person's act: the report names the command that copies the candidate.
@@ -27,8 +29,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS, DATASETS
-from presto_sd.app.training.choose_lambda import PROPOSING_RHOS, choose_lambda
+from presto_sd.app.training.choose_lambda import PROPOSING_RHOS, REPORTED_ONLY_RHOS, choose_lambda
 from presto_sd.app.training.choose_set import HELDOUT_MIX, write_heldout_mix
+from presto_sd.app.training.export import HEAD_RHOS
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
 from presto_sd.app.training.held_out_replay import (
     CHOICE_METHOD,
@@ -272,14 +275,12 @@ def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict
 
 
 def _proposing_lambdas(cfg: LinkConfig, candidate: Path, out: Path, prompts: list[str]) -> None:
-    """A candidate with a prefix head: the lambda of each rho that proposes its own children,
-    which `train acceptance` cannot fit, chosen on the held-out prompts (``choose_lambda``)."""
-    if not has_prefix_head(candidate):
-        return
+    """The lambda of each rho that proposes its own children (a prefix head's: only with a
+    head), which `train acceptance` cannot fit, chosen on the held-out prompts (``choose_lambda``)."""
     fitted = json.loads((candidate / "presto.json").read_text()).get("lambdas_by_rho", {})
     for rho in PROPOSING_RHOS:
-        if rho not in fitted:
-            choose_lambda(candidate, prompts, out, rho, budgets=cfg.budgets,
+        if rho not in fitted and (rho not in HEAD_RHOS or has_prefix_head(candidate)):
+            choose_lambda(candidate, prompts, out / rho, rho, budgets=cfg.budgets,
                           max_new_tokens=cfg.max_new_tokens, target=cfg.target)
 
 
@@ -308,8 +309,9 @@ def _prompts_record(prompts: list[str]) -> dict:
 
 
 def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
-            prompts: list[str]) -> list[dict]:
-    return held_out_replay(drafter, out, rho, methods, prompts, cfg.budgets, cfg.max_new_tokens, cfg.target)
+            prompts: list[str], lambdas: list[float] | None = None) -> list[dict]:
+    return held_out_replay(drafter, out, rho, methods, prompts, cfg.budgets, cfg.max_new_tokens, cfg.target,
+                           lambdas)
 
 
 def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompts: list[str]) -> dict:
@@ -318,10 +320,17 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
     one that chose), the candidate's written into its ``presto.json``; and the verdict."""
     from presto_sd.models.assets import file_digests, write_digests
 
+    fitted = {who: json.loads((d / "presto.json").read_text())["lambdas_by_rho"]
+              for who, d in (("candidate", candidate), ("parent", parent))}
+
     def by_rho(drafter: Path, name: str) -> dict[str, list[dict]]:
-        rhos = sorted(json.loads((drafter / "presto.json").read_text())["lambdas_by_rho"])
+        # the rhos either drafter has lambdas for, where this one can run them; one it lacks
+        # (a proposing rho chosen for the candidate alone) at the other's lambdas: the same menu
+        own, other = fitted[name], fitted["parent" if name == "candidate" else "candidate"]
+        rhos = sorted(r for r in {*own, *other} if r in own or r not in HEAD_RHOS or has_prefix_head(drafter))
         return {rho: _replay(cfg, drafter, choice / f"{name}-{rho}", rho,
-                             "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD, prompts)
+                             "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD, prompts,
+                             None if rho in own else other[rho])
                 for k, rho in enumerate(rhos)}
 
     def score(taus: dict[str, float]) -> float:
@@ -329,9 +338,9 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
 
     my_rows, their_rows = by_rho(candidate, "candidate"), by_rho(parent, "parent")
     mine, theirs = ({rho: pooled(rows) for rho, rows in t.items()} for t in (my_rows, their_rows))
-    # a proposing rho (prefix-ngram) is replayed and reported, never chosen: its tau costs tree
-    # building that a replay does not see (slower at the CLI's budget 4 on a 2-core CPU, paired)
-    rho, parent_rho = (max((r for r in t if r not in PROPOSING_RHOS), key=lambda r: score(t[r]))
+    # prefix-ngram is replayed and reported, never chosen: its tau costs tree building that a
+    # replay does not see (slower at the CLI's budget 4 on a 2-core CPU, paired)
+    rho, parent_rho = (max((r for r in t if r not in REPORTED_ONLY_RHOS), key=lambda r: score(t[r]))
                        for t in (mine, theirs))
     presto_file = candidate / "presto.json"
     presto = json.loads(presto_file.read_text())
