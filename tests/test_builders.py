@@ -167,6 +167,20 @@ def test_lookup_proposal_folds_the_contexts_own_next_token_into_the_top_k():
     built = build_presto_best_first_tree(context[-1], ctx, rho, TreeParams(budget=3, depth=3, lambdas=(0.0,)))
     assert built.tree.tokens[1] == outside
 
+    # over another proposal (a prefix head's children: ``prefix-lookup``), each row its own
+    class Fixed:  # proposes [P, 3] per-row candidates
+        wide = 0
+
+        def propose(self, ctx, depth, prefixes, top_k):
+            ids = torch.tensor([[40 + i, 41 + i, 42 + i] for i in range(len(prefixes))])
+            return ids, torch.log(torch.tensor([[0.5, 0.3, 0.1]])).expand(len(prefixes), -1)
+
+    over = LookupProposalRho(NGramRho(), base=Fixed(), mix=0.5)
+    tokens, log_q = over.propose(ctx, 1, [[], [17]], 3)
+    assert tokens[0].tolist() == [outside, 40, 41]  # the row's best in the last slot, mixed
+    assert tokens[1].tolist() == [41, 42, 43]  # no row: the base's own
+    torch.testing.assert_close(log_q[1].exp(), torch.tensor([0.5, 0.3, 0.1]))
+
 
 def test_prefix_proposal_draws_each_nodes_children_from_its_parent():
     """``prefix-ngram``: a node's children are the top-K of the head's conditional given

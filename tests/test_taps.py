@@ -21,7 +21,7 @@ from presto_sd.method.builders import (
     build_tree,
 )
 from presto_sd.method.cost_model import CostFit, OnlineCostModel, fit_cost
-from presto_sd.method.scores import ConstantRho, NGramRho
+from presto_sd.method.scores import ConstantRho, LookupProposalRho, NGramRho
 from presto_sd.method.taps import choose_budget
 from tests.test_builders import assert_well_formed, ctx_for, random_marginals
 
@@ -199,7 +199,7 @@ def pop_order_tree(m, params, rho):
     node_penalty_s=st.sampled_from([0.0, 0.001, 0.01]),
     calibration=st.sampled_from([AcceptanceCalibration(), AcceptanceCalibration(-0.5, 1.7, -0.3),
                                  AcceptanceCalibration(1.0, 0.5, 0.2)]),
-    rho=st.sampled_from(["constant", "ngram", "marginal"]),
+    rho=st.sampled_from(["constant", "ngram", "ngram-lookup", "marginal"]),
 )
 def test_taps_tree_is_the_best_first_prefix_of_its_budget(
     seed, cap, depth, k, coeffs, context, node_penalty_s, calibration, rho
@@ -207,7 +207,8 @@ def test_taps_tree_is_the_best_first_prefix_of_its_budget(
     m = random_marginals(depth, k, seed=seed)
     params = TreeParams(budget=cap, depth=depth, node_penalty_s=node_penalty_s)
     measured = RoundContext(cost=CostFit(*coeffs), draft_s=0.01, calibration=calibration)
-    provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(), "marginal": None}[rho]
+    provider = {"constant": ConstantRho(0.7), "ngram": NGramRho(),
+                "ngram-lookup": LookupProposalRho(NGramRho()), "marginal": None}[rho]
     ctx = ctx_for(m, context)
     built = build_taps_tree(context[-1], ctx, provider, params, measured)
     assert_well_formed(built.tree, cap, depth)

@@ -133,7 +133,7 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     assert (frozen / PREFIX_HEAD_FILE).read_bytes() != (drafter_dir / PREFIX_HEAD_FILE).read_bytes()
 
     stack = build_embedded(str(tiny_target_dir), str(drafter_dir), device=torch.device("cpu"))
-    assert {"prefix", "prefix-ngram"} <= set(stack.drafter.rho_providers)
+    assert {"prefix", "prefix-ngram", "prefix-lookup"} <= set(stack.drafter.rho_providers)
     prompt = [1, 2, 3, 4, 5]
     ar = generate(stack.verifier, None, prompt, GenerationParams(method="ar", max_new_tokens=12))
     from presto_sd.app.bench.replay import position_stats, record
@@ -143,7 +143,7 @@ def test_prefix_head_trains_and_drives_trees(tiny_target_dir, tmp_path):
     cond = stats["prefix_recall"]
     assert len(cond["1"]) == 3 and all(0 <= a <= b <= 1 for a, b in zip(cond["1"], cond["4"]))
     for method, rho in itertools.product(("presto-beam", "presto-best-first", "taps"),
-                                         ("prefix", "prefix-ngram")):
+                                         ("prefix", "prefix-ngram", "prefix-lookup")):
         tree = TreeParams(budget=6, rho=rho, lambdas=(1.0,))
         res = generate(stack.verifier, stack.drafter, prompt,
                        GenerationParams(method=method, tree=tree, max_new_tokens=12))

@@ -103,7 +103,10 @@ class DFlashDrafter(CheckedDrafter):
             ngram = self.rho_providers["ngram"]
             self.rho_providers["prefix"] = prefix
             if isinstance(ngram, NGramRho):  # children from the head's conditional, the n-gram on top
-                self.rho_providers["prefix-ngram"] = PrefixProposalRho(prefix, ngram)
+                proposal = PrefixProposalRho(prefix, ngram)
+                self.rho_providers["prefix-ngram"] = proposal
+                # the head's children mixed with the request's own n-gram row
+                self.rho_providers["prefix-lookup"] = LookupProposalRho(ngram, proposal, name="prefix-lookup")
         self.max_sessions = max_sessions
         self.name, self.defaults = name, defaults or DrafterDefaults()
         self.max_context = max_context

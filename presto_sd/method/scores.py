@@ -362,17 +362,26 @@ class LookupProposalRho:
     """
 
     ngram: NGramRho
+    base: PrefixProposalRho | None = None  # whose candidates it mixes (None: the marginal's top-K)
     mix: float = 0.5
     min_history: int = 2
     name: str = "ngram-lookup"
+
+    @property
+    def wide(self) -> int:
+        return 0 if self.base is None else self.base.wide
 
     def propose(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]],
                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate target ids [P, K] and their mixture ``log q'`` [P, K], best first."""
         m = ctx.marginals
-        ids, log_q = m.token_ids[depth - 1, :top_k], m.log_probs[depth - 1, :top_k].float()
+        if self.base is not None:
+            all_ids, all_q = self.base.propose(ctx, depth, prefixes, top_k)
+        else:
+            ids, log_q = m.token_ids[depth - 1, :top_k], m.log_probs[depth - 1, :top_k].float()
+            all_ids, all_q = ids.expand(len(prefixes), -1), log_q.expand(len(prefixes), -1)
         rows_ids, rows_q = [], []
-        for prefix in prefixes:
+        for prefix, ids, log_q in zip(prefixes, all_ids, all_q):
             row = self._row(ctx.online_ngram, ctx.context_tokens + prefix) if self.mix else None
             if row is None:
                 rows_ids.append(ids)

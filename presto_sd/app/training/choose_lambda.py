@@ -22,10 +22,12 @@ from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, has_prefix_head, 
 from presto_sd.models.loading import sha256_of
 
 GRID = (0.0, 0.1, 0.25, 0.5, 1.0)
-PROPOSING_RHOS = ("prefix-ngram", "ngram-lookup")  # rho providers whose lambda only a replay can choose
-# replayed and reported by a link, never chosen: its tree building costs more than its tau buys
-# at the CLI's budget 4 on a 2-core CPU (paired, docs/benchmarks.md); ngram-lookup's does not
-REPORTED_ONLY_RHOS = ("prefix-ngram",)
+# rho providers whose lambda only a replay can choose
+PROPOSING_RHOS = ("prefix-ngram", "ngram-lookup", "prefix-lookup")
+# replayed and reported by a link, never chosen: a prefix head's children cost tree building
+# (~1 ms a round) that a replay does not see, and at the CLI's budget 4 on a 2-core CPU their
+# tau did not pay for it (paired, docs/benchmarks.md); ngram-lookup's building costs ~0.1 ms
+REPORTED_ONLY_RHOS = ("prefix-ngram", "prefix-lookup")
 
 
 def choose_lambda(
