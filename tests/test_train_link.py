@@ -12,6 +12,7 @@ from presto_sd.app.training.acceptance import AcceptanceConfig, train_acceptance
 from presto_sd.app.training.export import add_prefix_head, export_drafter
 from presto_sd.app.training.features import materialize
 from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
+from presto_sd.app.training.held_out_replay import choice_score
 from presto_sd.app.training.link import LinkConfig, LinkError, run_link
 from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 from presto_sd.models.assets import file_digests
@@ -63,13 +64,17 @@ def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
     assert set(by_rho) == {"hphi", "ngram", "ngram-lookup"} and report["candidate"]["rho"] in by_rho
     assert all(f"presto-best-first@{b}" in taus for taus in by_rho.values() for b in (2, 4))
     parent_by_rho = report["parent"]["tau_by_rho"]  # each drafter at its own best rho, of one menu
-    assert set(parent_by_rho) == set(by_rho) and report["parent"]["rho"] in parent_by_rho
+    assert set(parent_by_rho) == set(by_rho)
     lookup_lambda = json.loads((candidate / "presto.json").read_text())["lambdas_by_rho"]["ngram-lookup"]
     replayed = json.loads((work / "choice" / "parent-ngram-lookup" / "replay.json").read_text())
     assert all(r["params"]["lambdas"] == lookup_lambda  # the parent has none: the candidate's
                for r in replayed["rows"] if r["method"] == "presto-best-first")
     assert {"linear", "presto-best-first@2"} <= set(parent_by_rho["hphi"])
     assert isinstance(report["wins"], bool) and report["score"]["candidate"] >= 1.0
+    # judged where `train acceptance` fitted the lambdas: ngram-lookup's was chosen on these prompts
+    assert {report["candidate"]["judged_at"], report["parent"]["rho"]} <= {"hphi", "ngram"}
+    judged = by_rho[report["candidate"]["judged_at"]]
+    assert report["score"]["candidate"] == round(choice_score(judged, (2, 4)), 4)
     # the chosen rho is what the candidate's presto.json names, and its digests still hold
     presto = json.loads((candidate / "presto.json").read_text())
     assert presto["rho"] == report["candidate"]["rho"]

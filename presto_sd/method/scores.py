@@ -371,6 +371,10 @@ class LookupProposalRho:
     def wide(self) -> int:
         return 0 if self.base is None else self.base.wide
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.mix < 1.0:
+            raise ValueError(f"ngram-lookup: mix = {self.mix} must be in [0, 1) (1 leaves the drafter out)")
+
     def propose(self, ctx: ScoringContext, depth: int, prefixes: list[list[int]],
                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate target ids [P, K] and their mixture ``log q'`` [P, K], best first."""
@@ -380,36 +384,40 @@ class LookupProposalRho:
         else:
             ids, log_q = m.token_ids[depth - 1, :top_k], m.log_probs[depth - 1, :top_k].float()
             all_ids, all_q = ids.expand(len(prefixes), -1), log_q.expand(len(prefixes), -1)
+        ng = ctx.online_ngram
+        keep = 0 if ng is None else ng.order - 1  # the most history a row can condition on
         rows_ids, rows_q = [], []
         for prefix, ids, log_q in zip(prefixes, all_ids, all_q):
-            row = self._row(ctx.online_ngram, ctx.context_tokens + prefix) if self.mix else None
+            row = self._row(ng, (ctx.context_tokens[-keep:] + prefix)[-keep:]) if self.mix and keep else None
             if row is None:
                 rows_ids.append(ids)
                 rows_q.append(log_q)
                 continue
-            cands, q = ids.tolist(), log_q.exp().tolist()
-            best = max(row, key=row.get)
-            if best not in cands:
-                cands[-1], q[-1] = best, 0.0
-            mix = self.mix
-            mixed = torch.tensor([(1 - mix) * qt + mix * row.get(t, 0.0) for t, qt in zip(cands, q)])
+            counts, total = row
+            cands = ids.tolist()
+            best = max(counts, key=counts.get)
+            log_q = log_q.clone()
+            if best not in cands:  # the row's best takes the last slot, its q counted 0
+                cands[-1] = best
+                log_q[-1] = -math.inf
+            p_row = torch.tensor([counts.get(t, 0) / total for t in cands], device=log_q.device)
+            # in log space: a top-K candidate's q may underflow float32, never its mixture
+            mixed = torch.logaddexp(log_q + math.log1p(-self.mix), p_row.log() + math.log(self.mix))
             order = torch.argsort(mixed, descending=True, stable=True)
-            rows_ids.append(torch.tensor(cands)[order])
-            rows_q.append(mixed[order].log())  # every candidate > 0: the top-K's q, the row's best
+            rows_ids.append(torch.tensor(cands, device=ids.device)[order])
+            rows_q.append(mixed[order])
         return torch.stack(rows_ids), torch.stack(rows_q)
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
         return self.ngram.log_rho(ctx, depth, prefixes, candidates, log_q)
 
-    def _row(self, ng: NGramModel | None, history: list[int]) -> dict[int, float] | None:
-        """The longest seen history's next-token distribution; None under ``min_history``."""
-        if ng is None:
-            return None
+    def _row(self, ng: NGramModel, history: list[int]) -> tuple[dict[int, int], int] | None:
+        """The longest seen history's next-token counts and their total; None under ``min_history``."""
         for k in range(min(ng.order - 1, len(history)), self.min_history - 1, -1):
             h = tuple(history[-k:])
             total = ng.totals[k].get(h, 0)
             if total:
-                return {t: c / total for t, c in ng.counts[k][h].items()}
+                return ng.counts[k][h], total
         return None
 
 

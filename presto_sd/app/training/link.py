@@ -315,33 +315,39 @@ def _replay(cfg: LinkConfig, drafter: Path, out: Path, rho: str, methods: str,
 
 
 def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompts: list[str]) -> dict:
-    """Each drafter at its best rho on the held-out prompts (presto-best-first tau averaged
-    over the budgets; both get the same choice, so the verdict is not tilted towards the
-    one that chose), the candidate's written into its ``presto.json``; and the verdict."""
+    """Each drafter replayed on the held-out prompts with every rho it has lambdas for (and a
+    proposing rho only the other has, at the other's lambdas); the candidate's best rho
+    (presto-best-first tau averaged over the budgets) written into its ``presto.json``; and
+    the verdict, each drafter at its best rho whose lambdas `train acceptance` fitted on
+    traces: a proposing rho's lambda was chosen on these very prompts (for the candidate
+    alone), so judging with it would tilt the verdict towards the one that chose."""
     from presto_sd.models.assets import file_digests, write_digests
 
     fitted = {who: json.loads((d / "presto.json").read_text())["lambdas_by_rho"]
               for who, d in (("candidate", candidate), ("parent", parent))}
 
     def by_rho(drafter: Path, name: str) -> dict[str, list[dict]]:
-        # the rhos either drafter has lambdas for, where this one can run them; one it lacks
-        # (a proposing rho chosen for the candidate alone) at the other's lambdas: the same menu
         own, other = fitted[name], fitted["parent" if name == "candidate" else "candidate"]
-        rhos = sorted(r for r in {*own, *other} if r in own or r not in HEAD_RHOS or has_prefix_head(drafter))
+        borrowed = [r for r in other if r in PROPOSING_RHOS and r not in own
+                    and (r not in HEAD_RHOS or has_prefix_head(drafter))]
         return {rho: _replay(cfg, drafter, choice / f"{name}-{rho}", rho,
                              "linear,marginal," + CHOICE_METHOD if k == 0 else CHOICE_METHOD, prompts,
-                             None if rho in own else other[rho])
-                for k, rho in enumerate(rhos)}
+                             other[rho] if rho in borrowed else None)
+                for k, rho in enumerate(sorted([*own, *borrowed]))}
 
     def score(taus: dict[str, float]) -> float:
         return choice_score(taus, cfg.budgets)
 
+    def best(taus: dict[str, dict[str, float]], rhos) -> str:
+        return max((r for r in taus if r in rhos), key=lambda r: score(taus[r]))
+
     my_rows, their_rows = by_rho(candidate, "candidate"), by_rho(parent, "parent")
     mine, theirs = ({rho: pooled(rows) for rho, rows in t.items()} for t in (my_rows, their_rows))
-    # prefix-ngram is replayed and reported, never chosen: its tau costs tree building that a
-    # replay does not see (slower at the CLI's budget 4 on a 2-core CPU, paired)
-    rho, parent_rho = (max((r for r in t if r not in REPORTED_ONLY_RHOS), key=lambda r: score(t[r]))
-                       for t in (mine, theirs))
+    # the candidate's default, of its own rhos: a head's proposing rho is replayed and reported,
+    # never chosen (its tree building, which a replay does not see, ate its tau at budget 4)
+    rho = best(mine, [r for r in fitted["candidate"] if r not in REPORTED_ONLY_RHOS])
+    judged, parent_rho = (best(t, [r for r in fitted[who] if r not in PROPOSING_RHOS])
+                          for t, who in ((mine, "candidate"), (theirs, "parent")))
     presto_file = candidate / "presto.json"
     presto = json.loads(presto_file.read_text())
     if (presto["rho"], presto["lambdas"]) != (rho, presto["lambdas_by_rho"][rho]):
@@ -351,17 +357,18 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
     if json.loads((candidate / DIGESTS_FILE).read_text()) != file_digests(candidate):
         write_digests(candidate)
     # (the parent may read best at another rho than its presto.json names: parent.rho says so)
-    wins = score(mine[rho]) > score(theirs[parent_rho])
+    wins = score(mine[judged]) > score(theirs[parent_rho])
     return {
         "config": _settings(cfg),
         "prompts": _prompts_record(prompts),
-        # by_set: at the drafter's best rho, a set each (a link can win pooled and lose code)
+        # by_set: at the rho each is judged at, a set each (a link can win pooled and lose code)
         "parent": {"dir": str(parent), "rho": parent_rho, "tau_by_rho": theirs,
                    "by_set": by_set(their_rows[parent_rho])},
-        "candidate": {"dir": str(candidate), "rho": rho, "tau_by_rho": mine,
-                      "by_set": by_set(my_rows[rho])},
-        "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best rho",
-                  "parent": round(score(theirs[parent_rho]), 4), "candidate": round(score(mine[rho]), 4)},
+        "candidate": {"dir": str(candidate), "rho": rho, "judged_at": judged, "tau_by_rho": mine,
+                      "by_set": by_set(my_rows[judged])},
+        "score": {"what": f"{CHOICE_METHOD} tau, mean over budgets {list(cfg.budgets)}, each at its best "
+                          "rho of those `train acceptance` fitted",
+                  "parent": round(score(theirs[parent_rho]), 4), "candidate": round(score(mine[judged]), 4)},
         "wins": wins,
         "ship": f"rm -r {parent} && cp -r {candidate} {parent}" if wins else
                 "the parent stays: the candidate does not beat it on the held-out prompts",
