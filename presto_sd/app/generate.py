@@ -87,7 +87,9 @@ def _report(args: argparse.Namespace, res, text: str, drafter: str, tree) -> Non
     if args.json:
         print(json.dumps({"text": text, "token_ids": res.token_ids, **summary}))
     else:
-        print("\n" + " ".join(f"{k}={v}" for k, v in summary.items() if k != "tree"), file=sys.stderr)
+        tree_fields = summary["tree"] or {}
+        line = {**summary, "rho": tree_fields.get("rho")} if tree_fields.get("rho") else summary
+        print("\n" + " ".join(f"{k}={v}" for k, v in line.items() if k != "tree"), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
