@@ -15,7 +15,7 @@ from presto_sd.app.training.grow_corpus import GrowConfig, grow_corpus
 from presto_sd.app.training.held_out_replay import choice_score
 from presto_sd.app.training.link import LinkConfig, LinkError, run_link
 from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
-from presto_sd.models.assets import file_digests
+from presto_sd.models.assets import file_digests, write_digests
 from presto_sd.models.loading import load_target, sha256_of
 
 GROW = dict(sources="code,arith", n_code=8, n_arith=8, max_new_tokens=24, batch_size=4, dtype="float32")
@@ -281,12 +281,18 @@ def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it
     assert presto["lambdas_by_rho"]["prefix-ngram"] == [report["lambda"]]
     assert report["default_score"] is not None and presto["rho"] == report["default_now"]
     assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
-    # a rerun of `train acceptance` refits the others and keeps the lambda chosen by the replay
+    # a rerun of `train acceptance` refits the others and keeps the lambda chosen by the replay,
+    # and a proposing default (the replay chose it; a refit cannot judge it)
+    presto.update(rho="prefix-ngram", lambdas=presto["lambdas_by_rho"]["prefix-ngram"])
+    (headed / "presto.json").write_text(json.dumps(presto))
+    write_digests(headed)
     train_acceptance(AcceptanceConfig(drafter=str(headed), data=str(root / "data0"), target=str(target),
                                       n_prompts=4, max_new_tokens=8, budget=8, depth=3, epochs=2,
                                       corpus=str(chain[1]), corpus_from_shard=1))
-    refit = json.loads((headed / "presto.json").read_text())["lambdas_by_rho"]
+    refit_presto = json.loads((headed / "presto.json").read_text())
+    refit = refit_presto["lambdas_by_rho"]
     assert refit["prefix-ngram"] == [report["lambda"]] and {"hphi", "ngram", "prefix"} <= set(refit)
+    assert (refit_presto["rho"], refit_presto["lambdas"]) == ("prefix-ngram", [report["lambda"]])
     assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
     with pytest.raises(ValueError, match="another head or other settings"):  # its replays are not these
         choose_lambda(headed, flags, root / "lambda", grid=(0.0,), budgets=(2,), max_new_tokens=8,

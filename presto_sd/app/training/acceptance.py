@@ -324,7 +324,9 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     before = json.loads((out / "presto.json").read_text()) if (out / "presto.json").is_file() else {}
     kept = {k: v for k, v in before.get("lambdas_by_rho", {}).items()
             if k in PROPOSING_RHOS and (has_prefix or k not in HEAD_RHOS)}
-    (out / "presto.json").write_text(json.dumps({"rho": best, "lambdas": lambdas[best],
+    # a proposing default was chosen by the replay, which a refit cannot judge: it stays
+    default = before["rho"] if before.get("rho") in kept else best
+    (out / "presto.json").write_text(json.dumps({"rho": default, "lambdas": {**lambdas, **kept}[default],
                                                  "lambdas_by_rho": {**lambdas, **kept}}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))
     plot_reliability(report, out / "reliability.png")
