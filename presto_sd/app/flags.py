@@ -84,9 +84,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     add_tree_args(g)
     g.add_argument("--rho", default=None,
                    help="rho provider for PRESTO and TAPS: ngram | ngram-lookup | hphi | constant | "
-                        "prefix | prefix-ngram (ngram-lookup: the drafter's top-K mixed with what the "
-                        "request's own text followed the node's last two tokens with; the last two: a "
-                        "drafter with a prefix head, prefix-ngram draws each node's children from it), "
+                        "prefix | prefix-ngram | prefix-lookup (ngram-lookup: the drafter's top-K mixed "
+                        "with what the request's own text followed the node's last two tokens with; the "
+                        "last three: a drafter with a prefix head, the last two draw each node's "
+                        "children from it), "
                         "taps also marginal (default: the drafter's; taps: hphi when shipped)")
     g.add_argument("--lambda", dest="lambdas", default=None,
                    help="lambda_d: one value or comma-separated per depth (default: the drafter's)")

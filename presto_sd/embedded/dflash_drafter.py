@@ -91,8 +91,9 @@ class DFlashDrafter(CheckedDrafter):
             "ngram": NGramRho(),
             **(rho_providers or {}),
         }
-        if isinstance(self.rho_providers["ngram"], NGramRho):  # the n-gram with the context's own lookup
-            self.rho_providers["ngram-lookup"] = LookupProposalRho(self.rho_providers["ngram"])
+        ngram = self.rho_providers["ngram"]
+        if isinstance(ngram, NGramRho):  # the n-gram with the context's own lookup
+            self.rho_providers["ngram-lookup"] = LookupProposalRho(ngram)
         if model.prefix_head is not None:  # the drafter's own prefix-conditioned estimate
             t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=lm_head.device)
             d2t = self.d2t if self.d2t is not None else torch.arange(self.vocab_size, device=lm_head.device)
@@ -100,7 +101,6 @@ class DFlashDrafter(CheckedDrafter):
             head = model.prefix_head
             weights = (head.prev.weight, head.gate.weight, head.next)
             prefix = PrefixRho(self.draft_head, t2d, *(w.detach().float() for w in weights))
-            ngram = self.rho_providers["ngram"]
             self.rho_providers["prefix"] = prefix
             if isinstance(ngram, NGramRho):  # children from the head's conditional, the n-gram on top
                 proposal = PrefixProposalRho(prefix, ngram)

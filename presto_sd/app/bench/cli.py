@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_tree_args(t)
     t.add_argument("--rho", default=None,
                    help="PRESTO rho provider: ngram | ngram-lookup | hphi | constant | prefix | prefix-ngram "
-                        "(the last two: drafters with a prefix head)")
+                        "| prefix-lookup (the last three: drafters with a prefix head)")
     t.add_argument("--lambda", dest="lambdas", default=None, help="lambda_d: one value or per depth")
     t.add_argument("--taps-cap", type=int, default=64,
                    help="taps: the most draft nodes a round may choose (default: %(default)s)")

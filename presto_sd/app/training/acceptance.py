@@ -326,8 +326,9 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
             if k in PROPOSING_RHOS and (has_prefix or k not in HEAD_RHOS)}
     # a proposing default was chosen by the replay, which a refit cannot judge: it stays
     default = before["rho"] if before.get("rho") in kept else best
-    (out / "presto.json").write_text(json.dumps({"rho": default, "lambdas": {**lambdas, **kept}[default],
-                                                 "lambdas_by_rho": {**lambdas, **kept}}, indent=2))
+    by_rho = {**lambdas, **kept}
+    (out / "presto.json").write_text(json.dumps({"rho": default, "lambdas": by_rho[default],
+                                                 "lambdas_by_rho": by_rho}, indent=2))
     (out / "acceptance_report.json").write_text(json.dumps(report, indent=2))
     plot_reliability(report, out / "reliability.png")
     write_digests(out)  # the dir is what ships: its digests are written with its last file

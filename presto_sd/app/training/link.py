@@ -338,7 +338,7 @@ def _choose(cfg: LinkConfig, choice: Path, parent: Path, candidate: Path, prompt
     def score(taus: dict[str, float]) -> float:
         return choice_score(taus, cfg.budgets)
 
-    def best(taus: dict[str, dict[str, float]], rhos) -> str:
+    def best(taus: dict[str, dict[str, float]], rhos: list[str]) -> str:
         return max((r for r in taus if r in rhos), key=lambda r: score(taus[r]))
 
     my_rows, their_rows = by_rho(candidate, "candidate"), by_rho(parent, "parent")
