@@ -109,11 +109,14 @@ class NGramRho:
     name: str = "ngram"
 
     def log_rho(self, ctx, depth, prefixes, candidates, log_q) -> torch.Tensor:
-        out = torch.empty(candidates.shape)
+        out = torch.empty(candidates.shape, device=log_q.device)
+        # the most history any source conditions on: a node copies that, not the whole context
+        keep = max((m.order - 1 for m in (ctx.online_ngram, self.table) if m is not None), default=0)
+        recent = ctx.context_tokens[-keep:] if keep else []
         for i, prefix in enumerate(prefixes):
-            history = ctx.context_tokens + prefix
+            history = recent + prefix
             cands = candidates[i].tolist()
-            p = self._probs(ctx, history, cands)
+            p = self._probs(ctx, history, cands).to(log_q.device)
             out[i] = torch.log(p.clamp_min(1e-12)) - log_q[i]
         return out.clamp(max=0.0, min=math.log(RHO_FLOOR))
 
