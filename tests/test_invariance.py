@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from presto_sd.embedded.hf_verifier import HFVerifier
 from presto_sd.engine.verifier import PrefillCall, VerifyCall
 from presto_sd.method.tree import TokenTree
-from presto_sd.models import invariant
+from presto_sd.models import invariant, native_rows
 from presto_sd.models.invariant import (
     ATTENTION_KERNELS,
     KEY_BLOCK,
@@ -149,6 +149,8 @@ def test_row_attention_rows_agree_however_threads_split_the_call(kernel, two_thr
     outputs, bf16 in ~1e-7 (once in 16 benchmark prompts, at a near tie: gsm8k/6). In fp32,
     at 2 threads, every difference shows: a row alone, among 2-33 rows and in the tree
     layout agree, bitwise, for every kernel the verifier may pick."""
+    if kernel == "native" and not native_rows.available():
+        pytest.skip("no C compiler built the native kernel here")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for width in (64, 192, 320, 1024):

@@ -17,9 +17,11 @@ shapes):
   ``W = key_width(L)`` (the row's ``L`` visible keys rounded up to ``KEY_BLOCK``), the
   rest masked. A tree node reads its keys gathered (committed prefix, then its own
   ancestors): the same values at the same offsets as the AR step at its position, which
-  reads them contiguous in place. Its kernel: torch's fused SDPA on one intra-op thread
-  (on two, a row's result depends on which thread the call's batch gives it) where a probe
-  finds its rows agree (``pick_attention_kernel``: fp32 and bf16 here), else the eager ops.
+  reads them contiguous in place. Its kernel, the first a probe finds row-invariant
+  (``pick_attention_kernel``): in bf16 a small C kernel that reads each row's keys in place
+  (``native_rows.py``, where a C compiler built it), then torch's fused SDPA on one intra-op
+  thread (on two, a row's result depends on which thread the call's batch gives it; fp32
+  and bf16 here), else the eager ops.
 
 RMSNorm, RoPE, the residual adds and the MLP's elementwise ops are per-row already.
 """
@@ -34,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from presto_sd.models import native_rows
 
 KEY_BLOCK = 64  # a row attends over a multiple of this many keys; KV capacities are multiples of it
 
@@ -265,8 +269,28 @@ def _openmp() -> tuple[Callable[[], int], Callable[[int], None]]:
         return torch.get_num_threads, torch.set_num_threads
 
 
+def _native_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    # ``native_rows``' C kernel over keys laid out as ``row_attention`` takes them (the probe's
+    # and a compiled graph's way in); ``packed`` hands it the KV page itself, no copy. It reads
+    # a row's first ``seen`` keys: ``visible`` must be a prefix mask (every caller's is).
+    a, b, group, head_dim = query.shape
+    width = keys.shape[-2]
+    visible = visible.expand(a, b, width)
+    seen = visible.sum(-1).flatten()
+    if not torch.equal(visible, torch.arange(width, device=visible.device) < seen.view(a, b, 1)):
+        raise ValueError("native row attention: each row must see a prefix of its keys")
+    units = a * b
+    runs, first_row = torch.arange(units) * (width * head_dim), torch.zeros(units, dtype=torch.long)
+    return native_rows.unit_attention(
+        query.reshape(units, group, head_dim).contiguous(), keys.contiguous(), values.contiguous(),
+        runs, torch.arange(width)[None], first_row, seen, scaling).view(a, b, group, head_dim)
+
+
 # candidates, fastest first: the first whose rows agree at the model's shapes is used
-ATTENTION_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa_rows, "eager": _eager_rows}
+# ("native" where it is built, bf16 only: see ``pick_attention_kernel``)
+ATTENTION_KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+    "native": _native_rows, "sdpa": _sdpa_rows, "eager": _eager_rows}
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -348,6 +372,17 @@ def _attention_rows_agree_in(kernel: str, kv_heads: int, group: int, head_dim: i
 @functools.cache
 def pick_attention_kernel(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
                           device: str = "cpu") -> str:
-    """The first of ``ATTENTION_KERNELS`` whose rows agree at these shapes ("eager" always does)."""
-    return next(k for k in ATTENTION_KERNELS
-                if k == "eager" or attention_rows_agree(k, kv_heads, group, head_dim, dtype, device))
+    """The first of ``ATTENTION_KERNELS`` whose rows agree at these shapes ("eager" always does).
+
+    "native" only in bf16 on a CPU where it is built: in fp32 the engine's AR also equals
+    transformers' own ``generate`` (whose SDPA rounds as torch's does), a promise a kernel
+    with its own exp would have to earn prompt by prompt."""
+    def candidate(k: str) -> bool:
+        if k == "native":
+            fits = group <= native_rows.MAX_GROUP and head_dim <= native_rows.MAX_HEAD_DIM
+            on_cpu = torch.device(device).type == "cpu"
+            return dtype == torch.bfloat16 and on_cpu and fits and native_rows.available()
+        return True
+
+    return next(k for k in ATTENTION_KERNELS if candidate(k)
+                and (k == "eager" or attention_rows_agree(k, kv_heads, group, head_dim, dtype, device)))

@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from presto_sd.models import native_rows
 from presto_sd.models.invariant import invariant_rows, key_width, row_attention
 from presto_sd.models.session_kv import KVPage, SessionKV
 
@@ -67,6 +68,32 @@ class _RowGroup:
     positions: torch.Tensor | None = None
     slot: int = 0  # a tree's: the session's slot
     slots: torch.Tensor | None = None  # AR steps': each row's slot
+    native: _NativeUnits | None = None  # the "native" kernel's view of the rows, in place
+
+
+@dataclass(frozen=True)
+class _NativeUnits:
+    """A row group as ``native_rows.unit_attention`` reads it from the page, without a copy:
+    a unit a (row, KV head), each with its run of the page (``kv_offset``: the same at every
+    layer), its row of key positions (``pos``: a tree's ``positions``, or ``0..width`` for AR
+    steps) and how many of them it sees."""
+
+    kv_offset: torch.Tensor  # [R * kv_heads]
+    pos: torch.Tensor  # [R, width] or [1, width]
+    pos_row: torch.Tensor  # [R * kv_heads]
+    seen: torch.Tensor  # [R * kv_heads]
+
+    @classmethod
+    def of(cls, page: KVPage, row_slots: torch.Tensor, seen: torch.Tensor,
+           positions: torch.Tensor | None, width: int) -> _NativeUnits:
+        kv_heads, head_dim = page.shape
+        rows = len(row_slots)
+        offset = (row_slots[:, None] * kv_heads + torch.arange(kv_heads)) * (page.capacity * head_dim)
+        if positions is None:  # AR steps: each reads its slot's first keys
+            pos, pos_row = torch.arange(width)[None], torch.zeros(rows * kv_heads, dtype=torch.long)
+        else:
+            pos, pos_row = positions, torch.arange(rows).repeat_interleave(kv_heads)
+        return cls(offset.flatten(), pos.contiguous(), pos_row, seen.repeat_interleave(kv_heads))
 
 
 @dataclass(frozen=True)
@@ -125,14 +152,19 @@ def _plan(segments: Sequence[Segment], device: torch.device, attention: str) -> 
         seen = torch.tensor([length + len(new) for _, _, length, new in rows])
         queries = tensor([r[0] for r in rows])
         visible = (torch.arange(width)[None] < seen[:, None]).to(device)
+        positions = None
         if gather >= 0:  # the committed prefix, then the row's new keys, then 0s (masked)
             positions = torch.arange(width).repeat(len(rows), 1)
             for r, (_, _, length, new) in enumerate(rows):
                 positions[r, length : length + len(new)] = length + torch.tensor(new)
                 positions[r, length + len(new) :] = 0
-            groups.append(_RowGroup(page, queries, width, visible, positions.to(device), slot=gather))
+        row_slots = torch.tensor([r[1] for r in rows])
+        native = _NativeUnits.of(page, row_slots, seen, positions, width) if attention == "native" else None
+        if positions is not None:
+            groups.append(_RowGroup(page, queries, width, visible, positions.to(device), slot=gather,
+                                    native=native))
         else:
-            groups.append(_RowGroup(page, queries, width, visible, slots=tensor([r[1] for r in rows])))
+            groups.append(_RowGroup(page, queries, width, visible, slots=row_slots.to(device), native=native))
     plan_writes = tuple(_Writes(pages[page_id], *(tensor(list(column)) for column in zip(*entries)))
                         for page_id, entries in writes.items())
     return _Plan(tuple(chunks), plan_writes, tuple(groups), attention)
@@ -232,6 +264,13 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
     kv_heads, head_dim = page.shape
     n, width = len(g.rows), g.visible.shape[-1]  # the width as a tensor's size: symbolic when compiled
     q = query[0, :, g.rows].transpose(0, 1).reshape(n, kv_heads, -1, head_dim)  # [R, kv, group, hd]
+    if g.native is not None and not torch.compiler.is_compiling():  # in place: nothing gathered
+        u = g.native
+        units = q.reshape(n * kv_heads, -1, head_dim).contiguous()
+        attn = native_rows.unit_attention(units, page.keys[layer], page.values[layer], u.kv_offset, u.pos,
+                                          u.pos_row, u.seen, scaling)
+        out[0, g.rows] = attn.view(n, -1, head_dim)
+        return
     if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]
         index = g.positions.flatten()
         k = page.keys[layer][g.slot].index_select(1, index).view(kv_heads, n, width, head_dim)

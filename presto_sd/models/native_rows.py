@@ -1,0 +1,116 @@
+"""The decode rows' attention as a small C kernel, read in place from the KV page.
+
+torch's fused SDPA costs a decode row ~40–100 µs a layer here, most of it not arithmetic:
+the row's keys gathered into a contiguous copy, the call's setup, one OpenMP thread. A tree
+of R rows pays that R times, over the whole context each time (docs/benchmarks.md,
+2026-12-06 evening). ``csrc/row_attention.c`` reads each row's keys where they lie (the
+positions ``packed._plan`` works out once a forward) and computes each (row, KV head) unit
+alone, in one fixed order: a tree node's row is bitwise the AR step's by construction.
+
+It is built on first use with the machine's C compiler (``$CC``, else ``cc``; ~0.5 s) into
+``~/.cache/presto-sd/kernels`` (``$PRESTO_SD_KERNELS``), keyed by the source, the compiler and
+the CPU, since ``-march=native`` code is this CPU's. No compiler, a failed build, or
+``PRESTO_SD_NATIVE_ROWS=0``: ``available()`` is False and the verifier keeps torch's SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "row_attention.c"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+DISABLE_ENV = "PRESTO_SD_NATIVE_ROWS"
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the C kernel's MAX_G / MAX_D: query heads per KV head, head_dim
+_log = logging.getLogger(__name__)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_FUNCTIONS = {torch.bfloat16: "row_attention_bf16", torch.float32: "row_attention_f32"}
+
+
+def available() -> bool:
+    """Is the kernel built and loaded here (and not switched off by ``PRESTO_SD_NATIVE_ROWS=0``)?"""
+    return os.environ.get(DISABLE_ENV, "1") != "0" and _library() is not None
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC", "cc")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        _log.info("native row attention: no C compiler (%s): torch's SDPA instead", e)
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, _cpu_key()])
+                         .encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PRESTO_SD_KERNELS", Path.home() / ".cache" / "presto-sd" / "kernels"))
+    lib = cache / f"row_attention-{key}.so"
+    if not lib.is_file():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            # built beside it, then renamed: another process never loads half a file
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                staged = Path(tmp) / lib.name
+                subprocess.run([compiler, *FLAGS, "-o", str(staged), str(SOURCE)], check=True,
+                               capture_output=True, text=True, timeout=120)
+                staged.rename(lib)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            _log.warning("native row attention: the build failed (%s): torch's SDPA instead", detail)
+            return None
+    try:
+        dll = ctypes.CDLL(str(lib))
+    except OSError as e:
+        _log.warning("native row attention: %s does not load (%s): torch's SDPA instead", lib, e)
+        return None
+    for name in _FUNCTIONS.values():
+        fn = getattr(dll, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_P] * 8 + [_I] * 4 + [ctypes.c_float]
+    return dll
+
+
+def unit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_offset: torch.Tensor,
+                   pos: torch.Tensor, pos_row: torch.Tensor, seen: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """Each unit's attention: ``query [U, G, D]`` over ``seen[u]`` keys of ``keys``/``values``
+    (any contiguous CPU tensors; unit ``u``'s keys are rows ``pos[pos_row[u], :seen[u]]`` of the
+    ``[*, D]`` run that starts ``kv_offset[u]`` elements in). Returns ``[U, G, D]``, the query's dtype.
+
+    The index tensors are int64 and nothing is bounds-checked in C: the caller's plan names
+    only keys its sessions hold (``packed._plan``); this checks shapes, dtypes and layout.
+    """
+    fn_name = _FUNCTIONS.get(query.dtype)
+    if fn_name is None or not (keys.dtype == values.dtype == query.dtype):
+        raise ValueError(f"native row attention: bf16 or fp32 throughout, not {query.dtype}/{keys.dtype}")
+    for t in (query, keys, values, kv_offset, pos, pos_row, seen):
+        if not (t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError("native row attention: contiguous CPU tensors only")
+    if not all(t.dtype == torch.int64 for t in (kv_offset, pos, pos_row, seen)):
+        raise ValueError("native row attention: int64 indices")
+    units, group, head_dim = query.shape
+    out = torch.empty_like(query)
+    status = getattr(_library(), fn_name)(
+        query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), kv_offset.data_ptr(),
+        pos.data_ptr(), pos_row.data_ptr(), seen.data_ptr(), units, group, head_dim, pos.shape[-1], scaling)
+    if status:
+        raise ValueError(f"native row attention: status {status} (group {group} and head_dim {head_dim} "
+                         f"must be <= {MAX_GROUP} and <= {MAX_HEAD_DIM})")
+    return out

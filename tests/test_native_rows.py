@@ -1,0 +1,126 @@
+"""The decode rows' C kernel (``native_rows.py``): what it computes, how the verifier reads the
+page with it in place, and that without it the verifier keeps torch's SDPA.
+
+Its row invariance is held with every other kernel's in ``test_invariance.py`` (the probe
+and the trees' rows against the AR steps run it wherever it is built and picked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from presto_sd.embedded.hf_verifier import HFVerifier
+from presto_sd.method.tree import TokenTree
+from presto_sd.models import invariant, native_rows, packed
+from presto_sd.models.invariant import pick_attention_kernel, row_attention
+from tests.conftest import in_dtype
+from tests.test_invariance import PROMPT
+
+needs_native = pytest.mark.skipif(not native_rows.available(), reason="no C compiler built the kernel here")
+
+
+def eager_reference(q, k, v, seen, scaling):
+    """fp64 attention of q [A, B, G, D] over the first seen[a, b] keys of k/v [A, B, W, D]."""
+    scores = torch.einsum("abgd,abwd->abgw", q.double(), k.double()) * scaling
+    hidden = torch.arange(k.shape[2])[None, None] >= seen[..., None]
+    weights = scores.masked_fill(hidden[:, :, None], float("-inf")).softmax(-1)
+    return torch.einsum("abgw,abwd->abgd", weights, v.double())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (2, 8), (1, 24), (16, 256)])
+def test_it_computes_attention(dtype, group, head_dim):
+    """Within a rounding of the reference, for head dims that are and are not a multiple of
+    its 16 lanes, one to 16 query heads a KV head, keys seen from 1 to all 300."""
+    g = torch.Generator().manual_seed(head_dim)
+    a, b, width = 4, 3, 300
+    q, k, v = (torch.randn(a, b, n, head_dim, generator=g).to(dtype) for n in (group, width, width))
+    seen = torch.randint(1, width + 1, (a, b), generator=g)
+    seen[0, 0], seen[-1, -1] = 1, width
+    visible = torch.arange(width)[None, None] < seen[..., None]
+    got = row_attention(q, k, v, visible, head_dim**-0.5, "native")
+    want = eager_reference(q, k, v, seen, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@needs_native
+def test_it_refuses_what_it_cannot_read():
+    """Shapes past its fixed buffers, mixed dtypes, non-contiguous or non-int64 inputs, and a
+    mask that is not a prefix: a clear error, nothing computed."""
+    q = torch.randn(2, 17, 64)  # 17 query heads a KV head: past MAX_GROUP
+    keys = torch.randn(2, 10, 64)
+    runs, first_row = torch.tensor([0, 640]), torch.zeros(2, dtype=torch.long)
+    args = (runs, torch.arange(10)[None], first_row, torch.tensor([10, 10]))
+    with pytest.raises(ValueError, match="must be <= 16"):
+        native_rows.unit_attention(q, keys, keys, *args, 0.125)
+    q = torch.randn(2, 3, 64)
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        native_rows.unit_attention(q, keys.bfloat16(), keys.bfloat16(), *args, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        native_rows.unit_attention(q, keys.transpose(0, 1), keys, *args, 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        native_rows.unit_attention(q, keys, keys, args[0].int(), *args[1:], 0.125)
+    scattered = torch.tensor([[True, False, True]])
+    with pytest.raises(ValueError, match="prefix"):
+        row_attention(torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64),
+                      scattered, 0.125, "native")
+
+
+@needs_native
+def test_the_verifier_reads_the_page_in_place_as_the_gathered_keys(tiny_target, monkeypatch):
+    """A verify of a branching tree, then AR steps, through the in-place path (the plan's
+    ``_NativeUnits``) gives what the same kernel gives over keys gathered as the other
+    kernels take them (``row_attention``): bitwise, bf16, every node's probabilities."""
+    model = in_dtype(tiny_target, torch.bfloat16)
+
+    def run() -> list:
+        v = HFVerifier(model, (0, 2))
+        v.runner.attention_kernel = "native"
+        pre = v.prefill("s", PROMPT)
+        res = v.verify("s", pre.base, TokenTree.from_lists([pre.anchor, 3, 5, 7, 1], [-1, 0, 0, 1, 3]),
+                       want_node_probs=True)
+        seen = [res.node_probs]
+        for _ in range(3):
+            res = v.verify("s", res.base, TokenTree.root_only(res.bonus), want_node_probs=True)
+            seen.append(res.node_probs)
+        return seen
+
+    in_place = run()
+    with monkeypatch.context() as m:  # the plan without its in-place view: row_attention's way
+        m.setattr(packed._NativeUnits, "of", classmethod(lambda cls, *a: None))
+        gathered = run()
+    assert all(torch.equal(a, b) for a, b in zip(in_place, gathered, strict=True))
+
+
+def test_without_a_compiler_the_verifier_keeps_sdpa(monkeypatch, tmp_path):
+    """No C compiler (``CC`` names none) and an empty kernel cache, or the switch
+    ``PRESTO_SD_NATIVE_ROWS=0``: the kernel is not available and bf16 picks torch's SDPA
+    (or the eager ops) as before; nothing fails."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PRESTO_SD_KERNELS", str(tmp_path / "kernels"))
+    native_rows._library.cache_clear()
+    pick_attention_kernel.cache_clear()
+    try:
+        assert not native_rows.available()
+        assert pick_attention_kernel(3, 3, 64, torch.bfloat16) in ("sdpa", "eager")
+    finally:
+        native_rows._library.cache_clear()
+        pick_attention_kernel.cache_clear()
+    monkeypatch.delenv("CC")
+    monkeypatch.delenv("PRESTO_SD_KERNELS")
+    monkeypatch.setenv(native_rows.DISABLE_ENV, "0")
+    try:
+        assert not native_rows.available()
+        assert pick_attention_kernel(3, 3, 64, torch.bfloat16) in ("sdpa", "eager")
+    finally:
+        pick_attention_kernel.cache_clear()
+
+
+@needs_native
+def test_fp32_keeps_torchs_kernel():
+    """fp32's AR equals transformers' own ``generate``, whose attention rounds as torch's
+    SDPA does: the C kernel (its own exp) is never picked there."""
+    assert invariant.pick_attention_kernel(3, 3, 64, torch.float32) != "native"
