@@ -7,7 +7,9 @@ forward grows with R x context. This times, at SmolLM2's shapes (3 KV heads, 3 q
 each, head_dim 64), per layer:
 
 - ``gather``: the tree's keys and values gathered (as ``packed._group_attention`` does);
-- ``sdpa rows``: the engine's kernel over them;
+- ``sdpa rows``: torch's SDPA over them (the engine's kernel where the C one is not built);
+- ``native in place``: the C kernel (``native_rows.py``, the engine's bf16 kernel where it is
+  built) reading the same keys in place, no gather;
 - ``sdpa rows, 2 py threads``: the rows split over two Python threads, each call on one
   OpenMP thread (bitwise the same: checked);
 - ``eager shared``: the alternative of reading the shared prefix once: every row's queries
@@ -29,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from presto_sd.models import native_rows
 from presto_sd.models.invariant import KEY_BLOCK, _sdpa_rows, key_width
 
 KV, GROUP, HD = 3, 3, 64
@@ -116,6 +119,14 @@ def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor)
     tk, tv = (torch.randn(rows, KV, KEY_BLOCK, HD, dtype=slot_k.dtype) for _ in range(2))
     line = (f"context {context:5d}, rows {rows}: gather {timed(gather):5.0f}, "
             f"sdpa rows {timed(one_call):5.0f}, ")
+    if native_rows.available() and slot_k.dtype == torch.bfloat16:  # the page read in place, no gather
+        units = q.reshape(rows * KV, GROUP, HD).contiguous()
+        runs = (torch.arange(KV) * slot_k.shape[1] * HD).repeat(rows)
+        where = index.view(rows, width).contiguous()
+        first, seen = torch.arange(rows).repeat_interleave(KV), torch.full((rows * KV,), context + 2)
+        native = timed(lambda: native_rows.unit_attention(units, slot_k, slot_v, runs, where, first, seen,
+                                                          HD**-0.5))
+        line += f"native in place {native:5.0f}, "
     if rows > 1:
         line += f"sdpa rows, 2 py threads {timed(two_threads):5.0f}, "
     shared = timed(lambda: eager_shared(q, slot_k[:, :p], slot_v[:, :p], tk, tv, True))
