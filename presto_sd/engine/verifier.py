@@ -51,7 +51,7 @@ class VerifierInfo:
     row_invariant: bool = False  # each row computed as alone: greedy output bitwise its own AR's
     self_draft_block: int = 0  # the deepest mask chain its self-draft adapter drafts; 0: none
     # how its forward runs ("" where a server does not say): "owned" or "transformers";
-    # "dense" or "gguf-int4" linears; the decode rows' attention kernel, "sdpa" or "eager"
+    # "dense" or "gguf-int4" linears; the decode rows' attention kernel, "native", "sdpa" or "eager"
     decoder: str = ""
     weights: str = ""
     attention_kernel: str = ""

@@ -300,8 +300,9 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     values ``[A, B, W, head_dim]``; ``visible`` ``[A, B, W]`` (broadcast): True for the keys
     a row sees (SDPA's mask convention: worked out once a forward, not per layer). Returns
     ``[A, B, group, head_dim]``: one ``[group, W]`` attention per row and KV head, whatever
-    the batch, through ``kernel`` (``ATTENTION_KERNELS``; "eager" holds by construction,
-    "sdpa" where ``attention_rows_agree`` finds it does).
+    the batch, through ``kernel`` (``ATTENTION_KERNELS``; "eager" and "native" hold by
+    construction, "sdpa" where ``attention_rows_agree`` finds it does; the verifier probes
+    every one it picks).
 
     The masked keys get weight exactly 0; they must hold finite values (0 * NaN is NaN).
     """
