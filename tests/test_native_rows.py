@@ -124,3 +124,24 @@ def test_fp32_keeps_torchs_kernel():
     """fp32's AR equals transformers' own ``generate``, whose attention rounds as torch's
     SDPA does: the C kernel (its own exp) is never picked there."""
     assert invariant.pick_attention_kernel(3, 3, 64, torch.float32) != "native"
+
+
+def test_a_replay_records_anew_for_another_attention_kernel(tmp_path, monkeypatch):
+    """The replay's recordings are the engine's own AR outputs: an engine whose attention
+    rounds otherwise (another kernel) must not reuse them, or the replay's tau would not be
+    the live bench's."""
+    import argparse
+    from dataclasses import replace
+
+    from presto_sd.app.bench.replay_cli import _recordings_path
+    from presto_sd.app.bench.runner import BenchPrompt
+    from presto_sd.engine.verifier import VerifierInfo
+
+    monkeypatch.setenv("PRESTO_SD_CACHE", str(tmp_path))
+    args = argparse.Namespace(recordings=None, max_new_tokens=16)
+    info = VerifierInfo(model="m", dtype="bfloat16", device="cpu", vocab_size=16, eos_token_ids=(),
+                        target_layer_ids=(0, 2), attention_kernel="native")
+    prompts = [BenchPrompt("gsm8k", "0", (1, 2, 3))]
+    path = _recordings_path(args, info, prompts)
+    assert path == _recordings_path(args, info, prompts)
+    assert path != _recordings_path(args, replace(info, attention_kernel="sdpa"), prompts)

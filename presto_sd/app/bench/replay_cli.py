@@ -23,11 +23,13 @@ from presto_sd.models.cache import cache_dir
 
 
 def _recordings_path(args: argparse.Namespace, info, prompts: list[BenchPrompt]) -> Path:
-    """One file per target, dtype, feature layers, length and prompt set."""
+    """One file per target and its arithmetic (dtype, decoder, weights, attention kernel: what
+    decides its tokens), feature layers, length and prompt set: an engine that rounds otherwise
+    records anew, so the replay's tau stays the live bench's."""
     if args.recordings:
         return Path(args.recordings)
-    key = json.dumps([info.model, info.dtype, list(info.target_layer_ids), args.max_new_tokens,
-                      [p.token_ids for p in prompts]])
+    key = json.dumps([info.arithmetic(), list(info.target_layer_ids), args.max_new_tokens,
+                      [p.token_ids for p in prompts]], sort_keys=True)
     return cache_dir("replay") / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
