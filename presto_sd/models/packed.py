@@ -93,6 +93,9 @@ class _NativeUnits:
             pos, pos_row = torch.arange(width)[None], torch.zeros(rows * kv_heads, dtype=torch.long)
         else:
             pos, pos_row = positions, torch.arange(rows).repeat_interleave(kv_heads)
+        # the C kernel reads where these point, unchecked: a plan that points past the page is a bug
+        if int(pos.max()) >= page.capacity or int(row_slots.max()) >= page.slots or int(seen.max()) > width:
+            raise RuntimeError(f"packed plan: keys past the page ({page.capacity} keys, {page.slots} slots)")
         return cls(offset.flatten(), pos.contiguous(), pos_row, seen.repeat_interleave(kv_heads))
 
 
