@@ -145,3 +145,12 @@ def test_a_replay_records_anew_for_another_attention_kernel(tmp_path, monkeypatc
     path = _recordings_path(args, info, prompts)
     assert path == _recordings_path(args, info, prompts)
     assert path != _recordings_path(args, replace(info, attention_kernel="sdpa"), prompts)
+
+
+@needs_native
+def test_a_row_that_sees_no_key_gets_zeros():
+    """Never asked by the verifier (a row sees at least itself), but defined: zeros, not NaN."""
+    q, keys = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 4, 64).bfloat16()
+    out = native_rows.unit_attention(q, keys, keys, torch.tensor([0, 256]), torch.arange(4)[None],
+                                     torch.zeros(2, dtype=torch.long), torch.tensor([0, 4]), 0.125)
+    assert torch.equal(out[0], torch.zeros(3, 64, dtype=torch.bfloat16)) and bool(out[1].isfinite().all())

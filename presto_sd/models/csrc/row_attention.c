@@ -173,6 +173,15 @@ static inline __attribute__((always_inline)) int attend(const void *query, const
         const int64_t *p = pos + pos_row[u] * W, n = seen[u];
         float q[MAX_G][MAX_D] __attribute__((aligned(64))), o[MAX_G][MAX_D] __attribute__((aligned(64)));
         float mx[MAX_G], inv[MAX_G];
+        if (n <= 0) { /* a row that sees no key (none does: it sees itself) attends to nothing */
+            for (int64_t i = 0; i < G * D; i++) {
+                if (is_bf16)
+                    ((bf16_t *)out)[u * G * D + i] = 0;
+                else
+                    ((float *)out)[u * G * D + i] = 0.0f;
+            }
+            continue;
+        }
         for (int64_t g = 0; g < G; g++)
             for (int64_t d = 0; d < D; d++) q[g][d] = load1(query, (u * G + g) * D + d, is_bf16) * scaling;
         unit_scores((const float (*)[MAX_D])q, kbase, p, n, G, D, W, is_bf16, scores);
