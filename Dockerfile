@@ -38,10 +38,15 @@ COPY presto_pb ./presto_pb
 RUN pip install --constraint /opt/presto-sd/constraints.txt . "ray[default]==${RAY_VERSION}"
 
 FROM ${PYTHON_IMAGE}
+ARG TORCH_VARIANT=cu128
 # wget: KubeRay's default probes on Ray worker pods call it; bash and flock (util-linux)
-# are in the base already (the head's start script, the fetch init container's lock)
+# are in the base already (the head's start script, the fetch init container's lock). The
+# CPU image adds a C compiler: a CPU verifier's bf16 decode attention is a small C kernel
+# built on first use for the node's own CPU, into $PRESTO_SD_CACHE/kernels (docs/design.md);
+# without one it runs torch's SDPA, slower and as lossless
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget \
+        $(if [ "$TORCH_VARIANT" = cpu ]; then echo gcc libc6-dev; fi) \
     && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 presto \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/presto --shell /bin/bash presto \

@@ -96,9 +96,10 @@ def test_the_verifier_reads_the_page_in_place_as_the_gathered_keys(tiny_target, 
 
 
 def test_without_a_compiler_the_verifier_keeps_sdpa(monkeypatch, tmp_path):
-    """No C compiler (``CC`` names none) and an empty kernel cache, or the switch
-    ``PRESTO_SD_NATIVE_ROWS=0``: the kernel is not available and bf16 picks torch's SDPA
-    (or the eager ops) as before; nothing fails."""
+    """No C compiler (``CC`` names none) and an empty kernel cache, a kernel cache that
+    cannot be written (a container's read-only root), or the switch ``PRESTO_SD_NATIVE_ROWS=0``:
+    the kernel is not available and bf16 picks torch's SDPA (or the eager ops) as before;
+    nothing fails."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PRESTO_SD_KERNELS", str(tmp_path / "kernels"))
     native_rows._library.cache_clear()
@@ -110,7 +111,21 @@ def test_without_a_compiler_the_verifier_keeps_sdpa(monkeypatch, tmp_path):
         native_rows._library.cache_clear()
         pick_attention_kernel.cache_clear()
     monkeypatch.delenv("CC")
-    monkeypatch.delenv("PRESTO_SD_KERNELS")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for env, path in (("PRESTO_SD_KERNELS", blocker / "kernels"), ("PRESTO_SD_CACHE", blocker)):
+        monkeypatch.delenv("PRESTO_SD_KERNELS", raising=False)
+        monkeypatch.setenv(env, str(path))  # a cache that cannot be written (a read-only root)
+        native_rows._library.cache_clear()
+        pick_attention_kernel.cache_clear()
+        try:
+            assert not native_rows.available(), env
+            assert pick_attention_kernel(3, 3, 64, torch.bfloat16) in ("sdpa", "eager")
+        finally:
+            native_rows._library.cache_clear()
+            pick_attention_kernel.cache_clear()
+    monkeypatch.delenv("PRESTO_SD_KERNELS", raising=False)
+    monkeypatch.delenv("PRESTO_SD_CACHE", raising=False)
     monkeypatch.setenv(native_rows.DISABLE_ENV, "0")
     try:
         assert not native_rows.available()

@@ -8,9 +8,10 @@ positions ``packed._plan`` works out once a forward) and computes each (row, KV 
 alone, in one fixed order: a tree node's row is bitwise the AR step's by construction.
 
 It is built on first use with the machine's C compiler (``$CC``, else ``cc``; ~0.5 s) into
-``~/.cache/presto-sd/kernels`` (``$PRESTO_SD_KERNELS``), keyed by the source, the compiler and
-the CPU, since ``-march=native`` code is this CPU's. No compiler, a failed build, or
-``PRESTO_SD_NATIVE_ROWS=0``: ``available()`` is False and the verifier keeps torch's SDPA.
+the cache's ``kernels/`` (``$PRESTO_SD_CACHE``, ``~/.cache/presto-sd``; or ``$PRESTO_SD_KERNELS``),
+keyed by the source, the compiler and the CPU, since ``-march=native`` code is this CPU's. No
+compiler, a failed build, a read-only cache or ``PRESTO_SD_NATIVE_ROWS=0``: ``available()`` is
+False and the verifier keeps torch's SDPA.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from presto_sd.models.cache import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "row_attention.c"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
@@ -60,7 +63,12 @@ def _library() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, _cpu_key()])
                          .encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PRESTO_SD_KERNELS", Path.home() / ".cache" / "presto-sd" / "kernels"))
+    kernels = os.environ.get("PRESTO_SD_KERNELS")
+    try:  # a read-only cache (a container's root) is a build that cannot happen, not an error
+        cache = Path(kernels) if kernels else cache_dir("kernels")
+    except OSError as e:
+        _log.warning("native row attention: no kernel cache (%s): torch's SDPA instead", e)
+        return None
     lib = cache / f"row_attention-{key}.so"
     if not lib.is_file():
         try:
