@@ -63,6 +63,15 @@ def test_it_refuses_what_it_cannot_read():
         native_rows.unit_attention(q, keys.transpose(0, 1), keys, *args, 0.125)
     with pytest.raises(ValueError, match="int64"):
         native_rows.unit_attention(q, keys, keys, args[0].int(), *args[1:], 0.125)
+    with pytest.raises(ValueError, match="outside"):  # a key past the run
+        native_rows.unit_attention(q, keys, keys, runs, torch.arange(11)[None], first_row,
+                                   torch.tensor([11, 11]), 0.125)
+    with pytest.raises(ValueError, match="outside"):  # seen past the width
+        native_rows.unit_attention(q, keys, keys, runs, torch.arange(10)[None], first_row,
+                                   torch.tensor([10, 12]), 0.125)
+    with pytest.raises(ValueError, match="a unit"):  # one seen short
+        native_rows.unit_attention(q, keys, keys, runs, torch.arange(10)[None], first_row, torch.tensor([10]),
+                                   0.125)
     scattered = torch.tensor([[True, False, True]])
     with pytest.raises(ValueError, match="prefix"):
         row_attention(torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64),

@@ -97,14 +97,19 @@ def _library() -> ctypes.CDLL | None:
 
 def unit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_offset: torch.Tensor,
                    pos: torch.Tensor, pos_row: torch.Tensor, seen: torch.Tensor,
-                   scaling: float) -> torch.Tensor:
+                   scaling: float, indices_checked: bool = False) -> torch.Tensor:
     """Each unit's attention: ``query [U, G, D]`` over ``seen[u]`` keys of ``keys``/``values``
     (any contiguous CPU tensors; unit ``u``'s keys are rows ``pos[pos_row[u], :seen[u]]`` of the
     ``[*, D]`` run that starts ``kv_offset[u]`` elements in). Returns ``[U, G, D]``, the query's dtype.
 
-    The index tensors are int64 and nothing is bounds-checked in C: the caller's plan names
-    only keys its sessions hold (``packed._plan``); this checks shapes, dtypes and layout.
+    Nothing is bounds-checked in C: this checks shapes, dtypes, layout and that every index
+    stays inside its tensor before the call; ``indices_checked``: the caller checked the
+    indices once for many calls (``packed._NativeUnits``, once a forward, not once a layer:
+    the reductions cost ~30 µs a call).
     """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("native row attention is not built here (no C compiler, or its build failed)")
     fn_name = _FUNCTIONS.get(query.dtype)
     if fn_name is None or not (keys.dtype == values.dtype == query.dtype):
         raise ValueError(f"native row attention: bf16 or fp32 throughout, not {query.dtype}/{keys.dtype}")
@@ -114,11 +119,28 @@ def unit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     if not all(t.dtype == torch.int64 for t in (kv_offset, pos, pos_row, seen)):
         raise ValueError("native row attention: int64 indices")
     units, group, head_dim = query.shape
+    width = pos.shape[-1]
+    if not (len(kv_offset) == len(pos_row) == len(seen) == units and pos.dim() == 2 and units > 0):
+        raise ValueError("native row attention: one kv_offset, pos_row and seen a unit; pos [rows, width]")
+    if not indices_checked and _outside(keys, values, kv_offset, pos, pos_row, seen, head_dim):
+        raise ValueError("native row attention: an index points outside its tensor")
     out = torch.empty_like(query)
-    status = getattr(_library(), fn_name)(
+    status = getattr(lib, fn_name)(
         query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), kv_offset.data_ptr(),
-        pos.data_ptr(), pos_row.data_ptr(), seen.data_ptr(), units, group, head_dim, pos.shape[-1], scaling)
+        pos.data_ptr(), pos_row.data_ptr(), seen.data_ptr(), units, group, head_dim, width, scaling)
+    if status == 1:
+        raise ValueError(f"native row attention: group {group} and head_dim {head_dim} must be <= "
+                         f"{MAX_GROUP} and <= {MAX_HEAD_DIM}")
     if status:
-        raise ValueError(f"native row attention: status {status} (group {group} and head_dim {head_dim} "
-                         f"must be <= {MAX_GROUP} and <= {MAX_HEAD_DIM})")
+        raise MemoryError(f"native row attention: no memory for {group} x {width} scores")
     return out
+
+
+def _outside(keys: torch.Tensor, values: torch.Tensor, kv_offset: torch.Tensor, pos: torch.Tensor,
+             pos_row: torch.Tensor, seen: torch.Tensor, head_dim: int) -> bool:
+    """Would the kernel read past ``keys``/``values``, ``pos`` or a row's width?"""
+    if min(int(kv_offset.min()), int(pos.min()), int(pos_row.min()), int(seen.min())) < 0:
+        return True
+    end = int(kv_offset.max()) + (int(pos.max()) + 1) * head_dim  # past the furthest key read
+    return (end > min(keys.numel(), values.numel()) or int(pos_row.max()) >= pos.shape[0]
+            or int(seen.max()) > pos.shape[-1])

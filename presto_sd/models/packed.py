@@ -93,8 +93,9 @@ class _NativeUnits:
             pos, pos_row = torch.arange(width)[None], torch.zeros(rows * kv_heads, dtype=torch.long)
         else:
             pos, pos_row = positions, torch.arange(rows).repeat_interleave(kv_heads)
-        # the C kernel reads where these point, unchecked: a plan that points past the page is a bug
-        if int(pos.max()) >= page.capacity or int(row_slots.max()) >= page.slots or int(seen.max()) > width:
+        # the C kernel reads where these point; checked here once a forward (``indices_checked``)
+        if (int(pos.min()) < 0 or int(pos.max()) >= page.capacity or int(row_slots.min()) < 0
+                or int(row_slots.max()) >= page.slots or int(seen.max()) > width):
             raise RuntimeError(f"packed plan: keys past the page ({page.capacity} keys, {page.slots} slots)")
         return cls(offset.flatten(), pos.contiguous(), pos_row, seen.repeat_interleave(kv_heads))
 
@@ -271,7 +272,7 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
         u = g.native
         units = q.reshape(n * kv_heads, -1, head_dim).contiguous()
         attn = native_rows.unit_attention(units, page.keys[layer], page.values[layer], u.kv_offset, u.pos,
-                                          u.pos_row, u.seen, scaling)
+                                          u.pos_row, u.seen, scaling, indices_checked=True)
         out[0, g.rows] = attn.view(n, -1, head_dim)
         return
     if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]
