@@ -52,6 +52,12 @@ static inline bf16_t bf16_round(float f) { /* to nearest even, as torch */
 static inline float load1(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_value(((const bf16_t *)x)[i]) : ((const float *)x)[i];
 }
+static inline void store1(void *x, int64_t i, float f, int is_bf16) {
+    if (is_bf16)
+        ((bf16_t *)x)[i] = bf16_round(f);
+    else
+        ((float *)x)[i] = f;
+}
 static inline v16f load16(const void *x, int64_t i, int is_bf16) {
     v16f f;
     if (is_bf16) {
@@ -172,31 +178,25 @@ static inline __attribute__((always_inline)) int attend(const void *query, const
         const char *vbase = (const char *)values + kv_offset[u] * item;
         const int64_t *p = pos + pos_row[u] * W, n = seen[u];
         float q[MAX_G][MAX_D] __attribute__((aligned(64))), o[MAX_G][MAX_D] __attribute__((aligned(64)));
-        float mx[MAX_G], inv[MAX_G];
+        float inv[MAX_G];
         if (n <= 0) { /* a row that sees no key (none does: it sees itself) attends to nothing */
-            for (int64_t i = 0; i < G * D; i++) {
-                if (is_bf16)
-                    ((bf16_t *)out)[u * G * D + i] = 0;
-                else
-                    ((float *)out)[u * G * D + i] = 0.0f;
-            }
+            for (int64_t i = 0; i < G * D; i++) store1(out, u * G * D + i, 0.0f, is_bf16);
             continue;
         }
         for (int64_t g = 0; g < G; g++)
             for (int64_t d = 0; d < D; d++) q[g][d] = load1(query, (u * G + g) * D + d, is_bf16) * scaling;
         unit_scores((const float (*)[MAX_D])q, kbase, p, n, G, D, W, is_bf16, scores);
         for (int64_t g = 0; g < G; g++) { /* softmax's weights, unnormalised, and their sum */
-            float *s = scores + g * W, acc[LANES] = {0};
-            mx[g] = -INFINITY;
-            for (int64_t j = 0; j < n; j++) mx[g] = s[j] > mx[g] ? s[j] : mx[g];
+            float *s = scores + g * W, acc[LANES] = {0}, mx = -INFINITY;
+            for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
             int64_t j = 0;
             for (; j + LANES <= n; j += LANES) {
                 v16f x;
                 memcpy(&x, s + j, sizeof x);
-                x = exp16_nonpositive(x - mx[g]);
+                x = exp16_nonpositive(x - mx);
                 memcpy(s + j, &x, sizeof x);
             }
-            for (; j < n; j++) s[j] = exp_nonpositive(s[j] - mx[g]);
+            for (; j < n; j++) s[j] = exp_nonpositive(s[j] - mx);
             j = 0;
             for (; j + LANES <= n; j += LANES)
                 for (int l = 0; l < LANES; l++) acc[l] += s[j + l];
@@ -231,14 +231,7 @@ static inline __attribute__((always_inline)) int attend(const void *query, const
             }
         }
         for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) {
-                const float y = o[g][d] * inv[g];
-                const int64_t at = (u * G + g) * D + d;
-                if (is_bf16)
-                    ((bf16_t *)out)[at] = bf16_round(y);
-                else
-                    ((float *)out)[at] = y;
-            }
+            for (int64_t d = 0; d < D; d++) store1(out, (u * G + g) * D + d, o[g][d] * inv[g], is_bf16);
     }
     free(scores);
     return 0;
