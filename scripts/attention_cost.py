@@ -9,7 +9,9 @@ each, head_dim 64), per layer:
 - ``gather``: the tree's keys and values gathered (as ``packed._group_attention`` does);
 - ``sdpa rows``: torch's SDPA over them (the engine's kernel where the C one is not built);
 - ``native in place``: the C kernel (``native_rows.py``, the engine's bf16 kernel where it is
-  built) reading the same keys in place, no gather;
+  built) reading the same keys in place, no gather, each row alone;
+- ``native shared prefix``: the same with the rows over each KV head as one run
+  (``native_rows.SharedRuns``: the committed prefix read once for them, as the verifier calls it);
 - ``sdpa rows, 2 py threads``: the rows split over two Python threads, each call on one
   OpenMP thread (bitwise the same: checked);
 - ``eager shared``: the alternative of reading the shared prefix once: every row's queries
@@ -127,6 +129,11 @@ def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor)
         native = timed(lambda: native_rows.unit_attention(units, slot_k, slot_v, runs, where, first, seen,
                                                           HD**-0.5))
         line += f"native in place {native:5.0f}, "
+        if rows > 1:  # the tree's rows over each KV head as one run: the prefix read once
+            shared = native_rows.SharedRuns.by_kv_head(rows, KV, context)
+            native = timed(lambda: native_rows.unit_attention(units, slot_k, slot_v, runs, where, first, seen,
+                                                              HD**-0.5, shared))
+            line += f"native shared prefix {native:5.0f}, "
     if rows > 1:
         line += f"sdpa rows, 2 py threads {timed(two_threads):5.0f}, "
     shared = timed(lambda: eager_shared(q, slot_k[:, :p], slot_v[:, :p], tk, tv, True))

@@ -46,6 +46,60 @@ def test_it_computes_attention(dtype, group, head_dim):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+def tree_units(rows: int, kv_heads: int, prefix: int, head_dim: int, group: int, dtype, seed: int):
+    """A tree's rows over a committed prefix as ``packed._NativeUnits`` lays them out: every
+    row's keys the prefix, then 1-5 keys of its own; its units row-major (row, KV head)."""
+    g = torch.Generator().manual_seed(seed)
+    capacity = prefix + 24
+    keys, values = (torch.randn(1, kv_heads, capacity, head_dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(rows * kv_heads, group, head_dim, generator=g).to(dtype)
+    depth = torch.randint(1, 6, (rows,), generator=g)
+    pos = torch.zeros(rows, prefix + 8, dtype=torch.long)
+    for r in range(rows):
+        pos[r, :prefix] = torch.arange(prefix)
+        pos[r, prefix : prefix + int(depth[r])] = prefix + torch.randperm(24, generator=g)[: int(depth[r])]
+    kv_offset = (torch.arange(kv_heads) * capacity * head_dim).repeat(rows)
+    pos_row = torch.arange(rows).repeat_interleave(kv_heads)
+    return q, keys, values, kv_offset, pos, pos_row, (prefix + depth).repeat_interleave(kv_heads)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (2, 24), (4, 128)])
+def test_a_trees_rows_read_together_are_bitwise_each_row_alone(dtype, group, head_dim):
+    """A tree's rows over one KV head given as a run (the prefix's keys and values loaded once
+    for them all) compute each row as it is computed alone, bit for bit: prefixes on either
+    side of the 16-key blocks and of the value pairs, and none at all."""
+    for prefix in (0, 1, 15, 16, 17, 150):
+        *units, seen = tree_units(5, 2, prefix, head_dim, group, dtype, seed=prefix)
+        alone = native_rows.unit_attention(*units, seen, head_dim**-0.5)
+        runs = native_rows.SharedRuns.by_kv_head(5, 2, prefix)
+        assert torch.equal(native_rows.unit_attention(*units, seen, head_dim**-0.5, runs), alone), prefix
+
+
+@needs_native
+def test_runs_that_do_not_share_what_they_say_are_refused():
+    """The C side trusts a run: units of another KV head, a prefix the rows do not hold, one
+    past a row's keys, or a unit left out are refused before the call."""
+    *units, seen = tree_units(4, 2, 40, 64, 3, torch.bfloat16, seed=0)
+
+    def call(runs: native_rows.SharedRuns) -> torch.Tensor:
+        return native_rows.unit_attention(*units, seen, 0.125, runs)
+
+    good = native_rows.SharedRuns.by_kv_head(4, 2, 40)
+    call(good)
+    with pytest.raises(ValueError, match="do not share"):  # row-major units taken as head-major runs
+        call(native_rows.SharedRuns(torch.arange(8), good.start, good.shared))
+    with pytest.raises(ValueError, match="do not share"):  # the rows part after the prefix
+        call(native_rows.SharedRuns(good.order, good.start, torch.tensor([42, 42])))
+    with pytest.raises(ValueError, match="do not share"):  # past a row's keys
+        call(native_rows.SharedRuns(good.order, good.start, torch.tensor([int(seen.min()) + 1] * 2)))
+    with pytest.raises(ValueError, match="every unit once"):
+        call(native_rows.SharedRuns(good.order[:-1], torch.tensor([0, 4, 7]), good.shared))
+    with pytest.raises(ValueError, match="non-empty"):
+        call(native_rows.SharedRuns(good.order, torch.tensor([0, 0, 8]), good.shared))
+
+
 @needs_native
 def test_it_refuses_what_it_cannot_read():
     """Shapes past its fixed buffers, mixed dtypes, non-contiguous or non-int64 inputs, and a

@@ -24,6 +24,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -91,21 +92,41 @@ def _library() -> ctypes.CDLL | None:
     for name in _FUNCTIONS.values():
         fn = getattr(dll, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [_P] * 8 + [_I] * 4 + [ctypes.c_float]
+        fn.argtypes = [_P] * 11 + [_I] * 5 + [ctypes.c_float]
     return dll
 
 
+@dataclass(frozen=True)
+class SharedRuns:
+    """Units the kernel attends together: ``order[start[r]:start[r + 1]]`` form run ``r``, which
+    read one run of the page (one ``kv_offset``) and the same first ``shared[r]`` key positions
+    (a tree's rows over one KV head: the committed prefix). Each shared key and value is loaded
+    once for the run; each unit's arithmetic stays what it is alone, bit for bit."""
+
+    order: torch.Tensor  # [units], a permutation of the units
+    start: torch.Tensor  # [runs + 1]
+    shared: torch.Tensor  # [runs]
+
+    @classmethod
+    def by_kv_head(cls, rows: int, kv_heads: int, shared: int) -> SharedRuns:
+        """Rows x KV heads units laid out row-major (``packed._NativeUnits``), the rows of one
+        session: one run a KV head, its first ``shared`` keys in common."""
+        order = torch.arange(rows * kv_heads).view(rows, kv_heads).t().contiguous().flatten()
+        return cls(order, torch.arange(0, rows * kv_heads + 1, rows), torch.full((kv_heads,), shared))
+
+
 def unit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_offset: torch.Tensor,
-                   pos: torch.Tensor, pos_row: torch.Tensor, seen: torch.Tensor,
-                   scaling: float, indices_checked: bool = False) -> torch.Tensor:
+                   pos: torch.Tensor, pos_row: torch.Tensor, seen: torch.Tensor, scaling: float,
+                   runs: SharedRuns | None = None, indices_checked: bool = False) -> torch.Tensor:
     """Each unit's attention: ``query [U, G, D]`` over ``seen[u]`` keys of ``keys``/``values``
     (any contiguous CPU tensors; unit ``u``'s keys are rows ``pos[pos_row[u], :seen[u]]`` of the
     ``[*, D]`` run that starts ``kv_offset[u]`` elements in). Returns ``[U, G, D]``, the query's dtype.
+    ``runs``: units that share their first keys, read once for them (the same result).
 
-    Nothing is bounds-checked in C: this checks shapes, dtypes, layout and that every index
-    stays inside its tensor before the call; ``indices_checked``: the caller checked the
-    indices once for many calls (``packed._NativeUnits``, once a forward, not once a layer:
-    the reductions cost ~30 µs a call).
+    Nothing is bounds-checked in C: this checks shapes, dtypes, layout, that every index
+    stays inside its tensor and that the runs share what they say before the call;
+    ``indices_checked``: the caller checked them once for many calls (``packed._NativeUnits``,
+    once a forward, not once a layer: the reductions cost ~30 µs a call).
     """
     lib = _library()
     if lib is None:
@@ -124,10 +145,15 @@ def unit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         raise ValueError("native row attention: one kv_offset, pos_row and seen a unit; pos [rows, width]")
     if not indices_checked and _outside(keys, values, kv_offset, pos, pos_row, seen, head_dim):
         raise ValueError("native row attention: an index points outside its tensor")
+    if runs is not None and not indices_checked:
+        _check_runs(runs, kv_offset, pos, pos_row, seen)
+    order, start, shared = (None, None, None) if runs is None else (
+        runs.order.data_ptr(), runs.start.data_ptr(), runs.shared.data_ptr())
     out = torch.empty_like(query)
     status = getattr(lib, fn_name)(
         query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), kv_offset.data_ptr(),
-        pos.data_ptr(), pos_row.data_ptr(), seen.data_ptr(), units, group, head_dim, width, scaling)
+        pos.data_ptr(), pos_row.data_ptr(), seen.data_ptr(), order, start, shared,
+        0 if runs is None else len(runs.shared), units, group, head_dim, width, scaling)
     if status == 1:
         raise ValueError(f"native row attention: group {group} and head_dim {head_dim} must be <= "
                          f"{MAX_GROUP} and <= {MAX_HEAD_DIM}")
@@ -144,3 +170,25 @@ def _outside(keys: torch.Tensor, values: torch.Tensor, kv_offset: torch.Tensor, 
     end = int(kv_offset.max()) + (int(pos.max()) + 1) * head_dim  # past the furthest key read
     return (end > min(keys.numel(), values.numel()) or int(pos_row.max()) >= pos.shape[0]
             or int(seen.max()) > pos.shape[-1])
+
+
+def _check_runs(runs: SharedRuns, kv_offset: torch.Tensor, pos: torch.Tensor, pos_row: torch.Tensor,
+                seen: torch.Tensor) -> None:
+    """Raise unless every unit is in exactly one run and each run's units read one run of the
+    page and hold the positions they say they share (the C side trusts all of it)."""
+    order, start, shared = runs.order, runs.start, runs.shared
+    for t in (order, start, shared):
+        if not (t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError("native row attention: runs as contiguous int64 CPU tensors")
+    units = len(kv_offset)
+    if not torch.equal(order.sort().values, torch.arange(units)):
+        raise ValueError("native row attention: a run's order must hold every unit once")
+    if (len(start) != len(shared) + 1 or int(start[0]) != 0 or int(start[-1]) != units
+            or bool((start.diff() < 1).any())):
+        raise ValueError("native row attention: runs must split the order into non-empty pieces")
+    for r in range(len(shared)):
+        members, n = order[int(start[r]) : int(start[r + 1])], int(shared[r])
+        rows = pos[pos_row[members], :n]
+        if (n < 0 or n > int(seen[members].min()) or bool((kv_offset[members] != kv_offset[members[0]]).any())
+                or not bool((rows == rows[:1]).all())):
+            raise ValueError(f"native row attention: run {r}'s units do not share {n} keys of one run")

@@ -76,16 +76,20 @@ class _NativeUnits:
     """A row group as ``native_rows.unit_attention`` reads it from the page, without a copy:
     a unit a (row, KV head), each with its run of the page (``kv_offset``: the same at every
     layer), its row of key positions (``pos``: a tree's ``positions``, or ``0..width`` for AR
-    steps) and how many of them it sees."""
+    steps) and how many of them it sees. A tree's rows share the committed prefix (``runs``:
+    read once for them all, each row's arithmetic unchanged); AR steps, of different sessions,
+    share nothing."""
 
     kv_offset: torch.Tensor  # [R * kv_heads]
     pos: torch.Tensor  # [R, width] or [1, width]
     pos_row: torch.Tensor  # [R * kv_heads]
     seen: torch.Tensor  # [R * kv_heads]
+    runs: native_rows.SharedRuns | None = None
 
     @classmethod
     def of(cls, page: KVPage, row_slots: torch.Tensor, seen: torch.Tensor,
-           positions: torch.Tensor | None, width: int) -> _NativeUnits:
+           positions: torch.Tensor | None, width: int, prefix: int = 0) -> _NativeUnits:
+        """``prefix``: a tree's committed keys (positions ``0..prefix``, every row's first)."""
         kv_heads, head_dim = page.shape
         rows = len(row_slots)
         offset = (row_slots[:, None] * kv_heads + torch.arange(kv_heads)) * (page.capacity * head_dim)
@@ -97,7 +101,8 @@ class _NativeUnits:
         if (int(pos.min()) < 0 or int(pos.max()) >= page.capacity or int(row_slots.min()) < 0
                 or int(row_slots.max()) >= page.slots or int(seen.max()) > width):
             raise RuntimeError(f"packed plan: keys past the page ({page.capacity} keys, {page.slots} slots)")
-        return cls(offset.flatten(), pos.contiguous(), pos_row, seen.repeat_interleave(kv_heads))
+        runs = None if positions is None else native_rows.SharedRuns.by_kv_head(rows, kv_heads, prefix)
+        return cls(offset.flatten(), pos.contiguous(), pos_row, seen.repeat_interleave(kv_heads), runs)
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,9 @@ def _plan(segments: Sequence[Segment], device: torch.device, attention: str) -> 
                 positions[r, length : length + len(new)] = length + torch.tensor(new)
                 positions[r, length + len(new) :] = 0
         row_slots = torch.tensor([r[1] for r in rows])
-        native = _NativeUnits.of(page, row_slots, seen, positions, width) if attention == "native" else None
+        native = None
+        if attention == "native":  # a tree's rows (one session) share its committed prefix
+            native = _NativeUnits.of(page, row_slots, seen, positions, width, min(r[2] for r in rows))
         if positions is not None:
             groups.append(_RowGroup(page, queries, width, visible, positions.to(device), slot=gather,
                                     native=native))
@@ -272,7 +279,7 @@ def _group_attention(layer: int, g: _RowGroup, query: torch.Tensor, out: torch.T
         u = g.native
         units = q.reshape(n * kv_heads, -1, head_dim).contiguous()
         attn = native_rows.unit_attention(units, page.keys[layer], page.values[layer], u.kv_offset, u.pos,
-                                          u.pos_row, u.seen, scaling, indices_checked=True)
+                                          u.pos_row, u.seen, scaling, u.runs, indices_checked=True)
         out[0, g.rows] = attn.view(n, -1, head_dim)
         return
     if g.positions is not None:  # one session's keys gathered: [kv_heads, R, width, head_dim]

@@ -1,4 +1,4 @@
-/* Decode-row attention read in place: each (row, KV head) unit alone, in one fixed order.
+/* Decode-row attention read in place: each (row, KV head) unit in one fixed order.
  *
  * A unit is one query row's ``G`` query heads over the keys of one KV head: ``seen`` keys at
  * the positions ``pos`` names in a ``[capacity, D]`` run of a KV page (a session's slot and
@@ -8,6 +8,11 @@
  * weighted sum in fp32; the output rounded to the input dtype. Built by ``native_rows.py``
  * with the machine's C compiler (GCC or Clang: vector extensions); without one the verifier
  * keeps torch's SDPA.
+ *
+ * A tree's rows over one KV head read the same committed prefix: given as a run, they are
+ * attended together, each prefix key and value loaded once for all of them, while every
+ * row's sums still run in the order it has alone (a split point changes which loop adds a
+ * term, never the order of the terms).
  *
  * A score is a 16-lane dot product summed over its lanes by one halving tree
  * (``lanes_sum``). Where D is a multiple of 16, 16 keys' lanes are summed together by
@@ -127,127 +132,227 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
-/* unit u's scores (query heads x its n keys) into s[g * W + j], scaled */
-static inline __attribute__((always_inline)) void unit_scores(const float (*q)[MAX_D], const void *kbase, const int64_t *p, int64_t n, int64_t G,
-                        int64_t D, int64_t W, int is_bf16, float *s) {
-    int64_t j = 0;
+/* The scores of T query rows (fp32, scaled; ``q[t * D ...]``) against the keys at positions
+ * p[j0..j1) of the run at ``kbase``, into s[t * W + j]. A key is loaded once for all T rows;
+ * a score's arithmetic is the same whatever T, j0 and j1 are. */
+static void key_scores(const float *q, int64_t T, const void *kbase, const int64_t *p, int64_t j0, int64_t j1,
+                       int64_t D, int64_t W, int is_bf16, float *s) {
+    int64_t j = j0;
     if (D % LANES == 0) {
-        v16f part[MAX_G][LANES];
-        for (; j + LANES <= n; j += LANES) {
-            for (int k = 0; k < LANES; k++) {
-                const int64_t at = p[j + k] * D;
-                for (int64_t g = 0; g < G; g++) {
-                    v16f acc = {0};
-                    for (int64_t d = 0; d < D; d += LANES) {
-                        v16f qv;
-                        memcpy(&qv, &q[g][d], sizeof qv);
-                        acc += qv * load16(kbase, at + d, is_bf16);
-                    }
-                    part[g][k] = acc;
+        float key[LANES][MAX_D] __attribute__((aligned(64)));
+        for (; j + LANES <= j1; j += LANES) {
+            for (int k = 0; k < LANES; k++)
+                for (int64_t d = 0; d < D; d += LANES) {
+                    v16f x = load16(kbase, p[j + k] * D + d, is_bf16);
+                    memcpy(&key[k][d], &x, sizeof x);
                 }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                v16f sums = sum_16(part[g]);
-                memcpy(s + g * W + j, &sums, sizeof sums);
+            for (int64_t t = 0; t < T; t++) {
+                const float *qt = q + t * D;
+                v16f part[LANES] = {0}; /* 16 keys' sums side by side: 16 chains, not one */
+                for (int64_t d = 0; d < D; d += LANES) {
+                    v16f qv;
+                    memcpy(&qv, qt + d, sizeof qv);
+                    for (int k = 0; k < LANES; k++) {
+                        v16f kv;
+                        memcpy(&kv, &key[k][d], sizeof kv);
+                        part[k] += qv * kv;
+                    }
+                }
+                v16f sums = sum_16(part);
+                memcpy(s + t * W + j, &sums, sizeof sums);
             }
         }
     }
-    for (; j < n; j++) { /* the tail (or any D): one key at a time, the same tree */
+    for (; j < j1; j++) { /* the tail (or any D): one key at a time, the same tree */
         float row[MAX_D];
         for (int64_t d = 0; d < D; d++) row[d] = load1(kbase, p[j] * D + d, is_bf16);
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t t = 0; t < T; t++) {
+            const float *qt = q + t * D;
             float acc[LANES] = {0};
             int64_t d = 0;
             for (; d + LANES <= D; d += LANES)
-                for (int l = 0; l < LANES; l++) acc[l] += q[g][d + l] * row[d + l];
-            for (int l = 0; d < D; d++, l++) acc[l] += q[g][d] * row[d];
-            s[g * W + j] = lanes_sum(acc);
+                for (int l = 0; l < LANES; l++) acc[l] += qt[d + l] * row[d + l];
+            for (int l = 0; d < D; d++, l++) acc[l] += qt[d] * row[d];
+            s[t * W + j] = lanes_sum(acc);
         }
     }
 }
 
-static inline __attribute__((always_inline)) int attend(const void *query, const void *keys, const void *values, void *out, const int64_t *kv_offset,
-                  const int64_t *pos, const int64_t *pos_row, const int64_t *seen, int64_t units, int64_t G,
+/* Row t's softmax weights over its n scores, unnormalised, in place; returns 1 / their sum. */
+static float softmax_weights(float *s, int64_t n) {
+    float acc[LANES] = {0}, mx = -INFINITY;
+    int64_t j = 0;
+    v16f top = {0}; /* the max 16 lanes at a time (a max is exact: any order gives it) */
+    top -= INFINITY;
+    for (; j + LANES <= n; j += LANES) {
+        v16f x;
+        memcpy(&x, s + j, sizeof x);
+        const v16i above = x > top;
+        top = (v16f)(((v16i)x & above) | ((v16i)top & ~above));
+    }
+    for (int l = 0; l < LANES; l++) mx = top[l] > mx ? top[l] : mx;
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        v16f x;
+        memcpy(&x, s + j, sizeof x);
+        x = exp16_nonpositive(x - mx);
+        memcpy(s + j, &x, sizeof x);
+    }
+    for (; j < n; j++) s[j] = exp_nonpositive(s[j] - mx);
+    j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += s[j + l];
+    for (int l = 0; j < n; j++, l++) acc[l] += s[j];
+    return 1.0f / lanes_sum(acc);
+}
+
+/* head_dim 64: rows t's weighted values continued over the keys p[j0..j1) (j0 even), in
+ * registers, TILE rows at a time sharing each value row's load. A row's sums: its even keys'
+ * and its odd keys' apart (acc[t * 128 ...] and acc[t * 128 + 64 ...]), each in key order, the
+ * last key of an odd count with the even ones. ``zeros``: W weights for a tile's unused rows. */
+#define TILE 3
+static void value_sums64(const float *w, int64_t T, const void *vbase, const int64_t *p, int64_t j0, int64_t j1,
+                         int64_t W, int is_bf16, float *acc, const float *zeros) {
+    if (j1 <= j0) return;
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const float *wt[TILE];
+        v16f even[TILE][4], odd[TILE][4];
+        for (int i = 0; i < TILE; i++) {
+            wt[i] = t0 + i < T ? w + (t0 + i) * W : zeros;
+            for (int b = 0; b < 4; b++) {
+                even[i][b] = odd[i][b] = (v16f){0};
+                if (t0 + i < T) {
+                    memcpy(&even[i][b], acc + (t0 + i) * 128 + 16 * b, sizeof(v16f));
+                    memcpy(&odd[i][b], acc + (t0 + i) * 128 + 64 + 16 * b, sizeof(v16f));
+                }
+            }
+        }
+        int64_t j = j0;
+        for (; j + 2 <= j1; j += 2)
+            for (int b = 0; b < 4; b++) {
+                const v16f ve = load16(vbase, p[j] * 64 + 16 * b, is_bf16);
+                const v16f vo = load16(vbase, p[j + 1] * 64 + 16 * b, is_bf16);
+                for (int i = 0; i < TILE; i++) {
+                    even[i][b] += wt[i][j] * ve;
+                    odd[i][b] += wt[i][j + 1] * vo;
+                }
+            }
+        if (j < j1)
+            for (int b = 0; b < 4; b++) {
+                const v16f ve = load16(vbase, p[j] * 64 + 16 * b, is_bf16);
+                for (int i = 0; i < TILE; i++) even[i][b] += wt[i][j] * ve;
+            }
+        for (int i = 0; i < TILE && t0 + i < T; i++)
+            for (int b = 0; b < 4; b++) {
+                memcpy(acc + (t0 + i) * 128 + 16 * b, &even[i][b], sizeof(v16f));
+                memcpy(acc + (t0 + i) * 128 + 64 + 16 * b, &odd[i][b], sizeof(v16f));
+            }
+    }
+}
+
+/* any head_dim: rows t's weighted values continued over the keys p[j0..j1), one sum in key
+ * order (acc[t * D ...]), each value row loaded once for all T rows */
+static void value_sums(const float *w, int64_t T, const void *vbase, const int64_t *p, int64_t j0, int64_t j1,
+                       int64_t D, int64_t W, int is_bf16, float *acc) {
+    for (int64_t j = j0; j < j1; j++) {
+        float row[MAX_D];
+        for (int64_t d = 0; d < D; d++) row[d] = load1(vbase, p[j] * D + d, is_bf16);
+        for (int64_t t = 0; t < T; t++) {
+            const float wj = w[t * W + j];
+            float *o = acc + t * D;
+            for (int64_t d = 0; d < D; d++) o[d] += wj * row[d];
+        }
+    }
+}
+
+/* One run of m units (a unit alone, or a tree's rows over one KV head): their scores, softmax
+ * and weighted values, the first ``shared`` keys read once for all of them. ``q``, ``s``,
+ * ``acc``, ``inv``: room for m * G rows. */
+static void attend_run(const void *query, const void *keys, const void *values, void *out, const int64_t *kv_offset,
+                       const int64_t *pos, const int64_t *pos_row, const int64_t *seen, const int64_t *unit,
+                       int64_t m, int64_t shared, int64_t G, int64_t D, int64_t W, float scaling, int is_bf16,
+                       float *q, float *s, float *acc, float *inv, const float *zeros) {
+    const size_t item = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+    const char *kbase = (const char *)keys + kv_offset[unit[0]] * item;
+    const char *vbase = (const char *)values + kv_offset[unit[0]] * item;
+    const int64_t T = m * G, stride = D == 64 ? 128 : D;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++)
+                q[(i * G + g) * D + d] = load1(query, (unit[i] * G + g) * D + d, is_bf16) * scaling;
+    const int64_t *p_shared = pos + pos_row[unit[0]] * W;
+    key_scores(q, T, kbase, p_shared, 0, shared, D, W, is_bf16, s);
+    for (int64_t i = 0; i < m; i++)
+        key_scores(q + i * G * D, G, kbase, pos + pos_row[unit[i]] * W, shared, seen[unit[i]], D, W, is_bf16,
+                   s + i * G * W);
+    for (int64_t t = 0; t < T; t++) { /* a row that sees no key (none does: it sees itself) gets 0s */
+        const int64_t n = seen[unit[t / G]];
+        inv[t] = n > 0 ? softmax_weights(s + t * W, n) : 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(T * stride));
+    if (D == 64) { /* the shared keys in pairs, so that each row's even/odd split is its own */
+        const int64_t pairs = shared & ~(int64_t)1;
+        value_sums64(s, T, vbase, p_shared, 0, pairs, W, is_bf16, acc, zeros);
+        for (int64_t i = 0; i < m; i++)
+            value_sums64(s + i * G * W, G, vbase, pos + pos_row[unit[i]] * W, pairs, seen[unit[i]], W, is_bf16,
+                         acc + i * G * stride, zeros);
+    } else {
+        value_sums(s, T, vbase, p_shared, 0, shared, D, W, is_bf16, acc);
+        for (int64_t i = 0; i < m; i++)
+            value_sums(s + i * G * W, G, vbase, pos + pos_row[unit[i]] * W, shared, seen[unit[i]], D, W, is_bf16,
+                       acc + i * G * stride);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const float *o = acc + t * stride;
+        const int64_t at = (unit[t / G] * G + t % G) * D;
+        for (int64_t d = 0; d < D; d++)
+            store1(out, at + d, (D == 64 ? o[d] + o[64 + d] : o[d]) * inv[t], is_bf16);
+    }
+}
+
+static int attend(const void *query, const void *keys, const void *values, void *out, const int64_t *kv_offset,
+                  const int64_t *pos, const int64_t *pos_row, const int64_t *seen, const int64_t *order,
+                  const int64_t *run_start, const int64_t *run_shared, int64_t runs, int64_t units, int64_t G,
                   int64_t D, int64_t W, float scaling, int is_bf16) {
     if (G > MAX_G || D > MAX_D) return 1;
-    float *scores = malloc(sizeof(float) * (size_t)(G * (W > 0 ? W : 1)));
-    if (!scores) return 2;
-    const size_t item = is_bf16 ? sizeof(bf16_t) : sizeof(float);
-    for (int64_t u = 0; u < units; u++) {
-        const char *kbase = (const char *)keys + kv_offset[u] * item;
-        const char *vbase = (const char *)values + kv_offset[u] * item;
-        const int64_t *p = pos + pos_row[u] * W, n = seen[u];
-        float q[MAX_G][MAX_D] __attribute__((aligned(64))), o[MAX_G][MAX_D] __attribute__((aligned(64)));
-        float inv[MAX_G];
-        if (n <= 0) { /* a row that sees no key (none does: it sees itself) attends to nothing */
-            for (int64_t i = 0; i < G * D; i++) store1(out, u * G * D + i, 0.0f, is_bf16);
-            continue;
-        }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) q[g][d] = load1(query, (u * G + g) * D + d, is_bf16) * scaling;
-        unit_scores((const float (*)[MAX_D])q, kbase, p, n, G, D, W, is_bf16, scores);
-        for (int64_t g = 0; g < G; g++) { /* softmax's weights, unnormalised, and their sum */
-            float *s = scores + g * W, acc[LANES] = {0}, mx = -INFINITY;
-            for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-            int64_t j = 0;
-            for (; j + LANES <= n; j += LANES) {
-                v16f x;
-                memcpy(&x, s + j, sizeof x);
-                x = exp16_nonpositive(x - mx);
-                memcpy(s + j, &x, sizeof x);
-            }
-            for (; j < n; j++) s[j] = exp_nonpositive(s[j] - mx);
-            j = 0;
-            for (; j + LANES <= n; j += LANES)
-                for (int l = 0; l < LANES; l++) acc[l] += s[j + l];
-            for (int l = 0; j < n; j++, l++) acc[l] += s[j];
-            inv[g] = 1.0f / lanes_sum(acc);
-            for (int64_t d = 0; d < D; d++) o[g][d] = 0.0f;
-        }
-        if (D == 64) { /* the weighted values in registers: even keys' and odd keys' sums apart */
-            for (int64_t g = 0; g < G; g++) {
-                const float *w = scores + g * W;
-                v16f even[4] = {0}, odd[4] = {0};
-                int64_t j = 0;
-                for (; j + 2 <= n; j += 2)
-                    for (int b = 0; b < 4; b++) {
-                        even[b] += w[j] * load16(vbase, p[j] * 64 + 16 * b, is_bf16);
-                        odd[b] += w[j + 1] * load16(vbase, p[j + 1] * 64 + 16 * b, is_bf16);
-                    }
-                for (int b = 0; b < 4; b++) {
-                    if (j < n) even[b] += w[j] * load16(vbase, p[j] * 64 + 16 * b, is_bf16);
-                    v16f sum = even[b] + odd[b];
-                    memcpy(&o[g][16 * b], &sum, sizeof sum);
-                }
-            }
-        } else {
-            for (int64_t j = 0; j < n; j++) { /* the weighted values: each value row once */
-                float row[MAX_D];
-                for (int64_t d = 0; d < D; d++) row[d] = load1(vbase, p[j] * D + d, is_bf16);
-                for (int64_t g = 0; g < G; g++) {
-                    const float w = scores[g * W + j];
-                    for (int64_t d = 0; d < D; d++) o[g][d] += w * row[d];
-                }
-            }
-        }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) store1(out, (u * G + g) * D + d, o[g][d] * inv[g], is_bf16);
-    }
-    free(scores);
-    return 0;
+    int64_t most = 1; /* units in the largest run */
+    for (int64_t r = 0; order && r < runs; r++)
+        most = run_start[r + 1] - run_start[r] > most ? run_start[r + 1] - run_start[r] : most;
+    const size_t rows = (size_t)(most * G), width = (size_t)(W > 0 ? W : 1);
+    float *q = malloc(sizeof(float) * rows * (size_t)D), *s = malloc(sizeof(float) * rows * width);
+    float *acc = malloc(sizeof(float) * rows * 2 * (size_t)D), *inv = malloc(sizeof(float) * rows);
+    float *zeros = calloc(width, sizeof(float));
+    int status = q && s && acc && inv && zeros ? 0 : 2;
+    if (!order) /* each unit alone */
+        for (int64_t u = 0; !status && u < units; u++)
+            attend_run(query, keys, values, out, kv_offset, pos, pos_row, seen, &u, 1, 0, G, D, W, scaling,
+                       is_bf16, q, s, acc, inv, zeros);
+    for (int64_t r = 0; order && !status && r < runs; r++)
+        attend_run(query, keys, values, out, kv_offset, pos, pos_row, seen, order + run_start[r],
+                   run_start[r + 1] - run_start[r], run_shared[r], G, D, W, scaling, is_bf16, q, s, acc, inv,
+                   zeros);
+    free(q), free(s), free(acc), free(inv), free(zeros);
+    return status;
 }
 
 /* query, out [units, G, D]; keys, values: unit u's run starts kv_offset[u] elements in, its
  * key j at row pos[pos_row[u] * W + j]; the first seen[u] of a pos row are the unit's keys.
- * Returns 0, or 1 for shapes past MAX_G / MAX_D, 2 out of memory. */
+ * ``order`` NULL: each unit alone. Else units order[run_start[r] .. run_start[r + 1]) form run
+ * r: one kv_offset, and the same first run_shared[r] (<= each one's seen) positions, read once
+ * for all of them. Returns 0, or 1 for shapes past MAX_G / MAX_D, 2 out of memory. */
 int row_attention_bf16(const bf16_t *query, const bf16_t *keys, const bf16_t *values, bf16_t *out,
                        const int64_t *kv_offset, const int64_t *pos, const int64_t *pos_row, const int64_t *seen,
+                       const int64_t *order, const int64_t *run_start, const int64_t *run_shared, int64_t runs,
                        int64_t units, int64_t G, int64_t D, int64_t W, float scaling) {
-    return attend(query, keys, values, out, kv_offset, pos, pos_row, seen, units, G, D, W, scaling, 1);
+    return attend(query, keys, values, out, kv_offset, pos, pos_row, seen, order, run_start, run_shared, runs,
+                  units, G, D, W, scaling, 1);
 }
 
 int row_attention_f32(const float *query, const float *keys, const float *values, float *out,
                       const int64_t *kv_offset, const int64_t *pos, const int64_t *pos_row, const int64_t *seen,
+                      const int64_t *order, const int64_t *run_start, const int64_t *run_shared, int64_t runs,
                       int64_t units, int64_t G, int64_t D, int64_t W, float scaling) {
-    return attend(query, keys, values, out, kv_offset, pos, pos_row, seen, units, G, D, W, scaling, 0);
+    return attend(query, keys, values, out, kv_offset, pos, pos_row, seen, order, run_start, run_shared, runs,
+                  units, G, D, W, scaling, 0);
 }
