@@ -294,6 +294,16 @@ def test_a_prefix_heads_lambda_is_chosen_on_held_out_prompts_and_a_link_keeps_it
     assert refit["prefix-ngram"] == [report["lambda"]] and {"hphi", "ngram", "prefix"} <= set(refit)
     assert (refit_presto["rho"], refit_presto["lambdas"]) == ("prefix-ngram", [report["lambda"]])
     assert json.loads((headed / "sha256.json").read_text()) == file_digests(headed)
+    # a refit whose n-gram table differs (here its order): the replay chose that lambda with the
+    # old table, so it goes, and the proposing default with it
+    stale = root / "headed-stale"
+    shutil.copytree(headed, stale)
+    train_acceptance(AcceptanceConfig(drafter=str(stale), data=str(root / "data0"), target=str(target),
+                                      n_prompts=4, max_new_tokens=8, budget=8, depth=3, epochs=2,
+                                      corpus=str(chain[1]), corpus_from_shard=1, ngram_order=2))
+    stale_presto = json.loads((stale / "presto.json").read_text())
+    assert "prefix-ngram" not in stale_presto["lambdas_by_rho"] and stale_presto["rho"] != "prefix-ngram"
+    assert stale_presto["lambdas"] == stale_presto["lambdas_by_rho"][stale_presto["rho"]]
     with pytest.raises(ValueError, match="another head or other settings"):  # its replays are not these
         choose_lambda(headed, flags, root / "lambda", grid=(0.0,), budgets=(2,), max_new_tokens=8,
                       target=str(target))

@@ -9,6 +9,8 @@ calibration report of ``h_phi``, the n-gram rho and the raw marginal ``q``.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import math
 import uuid
@@ -276,6 +278,11 @@ def corpus_prompts(corpus: str | Path, from_shard: int, n: int) -> list[list[int
     return prompts[::step][:n]
 
 
+def _table_digest(path: Path) -> str | None:
+    """The n-gram table's content (gzip's header holds a time: its bytes differ every save)."""
+    return hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest() if path.is_file() else None
+
+
 def train_acceptance(cfg: AcceptanceConfig) -> dict:
     from presto_sd.embedded.stack import build_embedded
 
@@ -283,7 +290,9 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     stack = build_embedded(cfg.target, cfg.drafter, device=torch.device("cpu"))
     vocab = stack.verifier.vocab_size
     table = build_ngram_table(cfg.data, cfg.ngram_order, vocab)
+    table_before = _table_digest(out / "ngram.json.gz")
     table.save(out / "ngram.json.gz", min_count=cfg.ngram_min_count)
+    table_changed = table_before is not None and table_before != _table_digest(out / "ngram.json.gz")
     table = NGramModel.load(out / "ngram.json.gz")  # score with exactly what ships
     encoded = trace_prompts(cfg, stack.tokenizer)
     traces = collect_traces(stack, encoded, cfg, table)
@@ -324,6 +333,11 @@ def train_acceptance(cfg: AcceptanceConfig) -> dict:
     before = json.loads((out / "presto.json").read_text()) if (out / "presto.json").is_file() else {}
     kept = {k: v for k, v in before.get("lambdas_by_rho", {}).items()
             if k in PROPOSING_RHOS and (has_prefix or k not in HEAD_RHOS)}
+    if kept and table_changed:  # chosen by replays that read the old table: stale now
+        print(f"train acceptance: the n-gram table changed, so the lambdas of {', '.join(sorted(kept))} "
+              "(chosen by the replay with the old one) are dropped; choose them again: "
+              "presto-sd train choose-lambda --rho RHO")
+        kept = {}
     # a proposing default was chosen by the replay, which a refit cannot judge: it stays
     default = before["rho"] if before.get("rho") in kept else best
     by_rho = {**lambdas, **kept}
