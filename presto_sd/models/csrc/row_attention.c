@@ -178,7 +178,7 @@ static void key_scores(const float *q, int64_t T, const void *kbase, const int64
     }
 }
 
-/* Row t's softmax weights over its n scores, unnormalised, in place; returns 1 / their sum. */
+/* A row's softmax weights over its n scores, unnormalised, in place; returns 1 / their sum. */
 static float softmax_weights(float *s, int64_t n) {
     float acc[LANES] = {0}, mx = -INFINITY;
     int64_t j = 0;
