@@ -90,6 +90,32 @@ def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
 
+def test_a_link_carried_to_another_machine_after_its_fit_needs_no_features(chain, monkeypatch):
+    """A link dir whose candidate is fitted (its digests written), carried without data/ and
+    run/ (a new machine's empty cache, the candidate and the choice kept), goes on at the
+    choice: no feature is prefilled and nothing is trained again."""
+    import shutil
+
+    from presto_sd.app.training import link
+
+    cfg = link_config(chain, "carried", steps=5)
+    monkeypatch.setattr(link, "_proposing_lambdas", lambda *a: None)  # stop after the fit
+    monkeypatch.setattr(link, "_choose", lambda *a: {"stopped": True})
+    run_link(cfg)
+    work = chain[0] / "carried"
+    for d in [work / "data", work / "run", *work.glob("*-data")]:
+        shutil.rmtree(d, ignore_errors=True)
+    monkeypatch.undo()
+
+    def no_features(*a, **k):
+        raise AssertionError("a fitted candidate's link prefilled features")
+
+    monkeypatch.setattr(link, "_features", no_features)
+    monkeypatch.setattr(link, "_train", no_features)
+    report = run_link(cfg)
+    assert isinstance(report["wins"], bool) and "ngram-lookup" in report["candidate"]["tau_by_rho"]
+
+
 def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_the_corpus_cannot_fill(chain):
     for bench in ("gsm8k", "humaneval", "mtbench", "sharegpt,gsm8k", " mtbench ,"):
         with pytest.raises(LinkError, match="benchmark"):

@@ -145,6 +145,19 @@ def run_link(cfg: LinkConfig) -> dict:
     # written before the hours of features and training: a mix that cannot be made fails now
     prompts = _choice_prompts(cfg, work / "choice")
     parent = Path(cfg.parent) if cfg.parent else DEFAULT_DRAFTER
+    candidate = work / "candidate"
+    # train_acceptance writes the digests last: a fitted candidate needs no features any more, so
+    # a link dir carried to another machine without data/ and run/ goes on at the choice
+    if not (candidate / DIGESTS_FILE).is_file():
+        _fitted_candidate(cfg, work, parent, candidate)
+    _proposing_lambdas(cfg, candidate, work / "choice" / "candidate-lambda", prompts)
+    report = _choose(cfg, work / "choice", parent, candidate, prompts)
+    (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _fitted_candidate(cfg: LinkConfig, work: Path, parent: Path, candidate: Path) -> None:
+    """The features, the training, the export and the acceptance predictors: each skipped where done."""
     parent_config = json.loads((parent / "config.json").read_text())
     data = _features(cfg, work / "data", parent_config)
     # the target's own answers: this window's, then each --mix window's (the n-gram table's text too)
@@ -155,20 +168,14 @@ def run_link(cfg: LinkConfig) -> dict:
     train_data = ",".join(answers)
     if cfg.written:  # the window's items answered as written, beside the target's answers
         train_data += f",{_written_features(cfg, work, parent_config)}"
-    candidate = work / "candidate"
     if not candidate.is_dir():  # exported beside it, then renamed: a dir there is a whole export
         from presto_sd.app.training.export import export_drafter
 
         staged = work / "candidate.export"
         shutil.rmtree(staged, ignore_errors=True)
         export_drafter(_train(cfg, train_data, work / "run", parent), staged).rename(candidate)
-    if not (candidate / DIGESTS_FILE).is_file():  # train_acceptance writes the digests last
-        # its n-gram table models the target's own text: the regenerated answers only
-        _acceptance(cfg, ",".join(answers), candidate, parent_config)
-    _proposing_lambdas(cfg, candidate, work / "choice" / "candidate-lambda", prompts)
-    report = _choose(cfg, work / "choice", parent, candidate, prompts)
-    (work / "link_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    # its n-gram table models the target's own text: the regenerated answers only
+    _acceptance(cfg, ",".join(answers), candidate, parent_config)
 
 
 def _settings(cfg: LinkConfig) -> dict:
