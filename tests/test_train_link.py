@@ -4,6 +4,7 @@ on held-out prompts (never a benchmark), resumable, and its refusals."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,6 +106,8 @@ def test_a_link_carried_to_another_machine_after_its_fit_needs_no_features(chain
     work = chain[0] / "carried"
     for d in [work / "data", work / "run", *work.glob("*-data")]:
         shutil.rmtree(d, ignore_errors=True)
+    work = work.rename(chain[0] / "carried-elsewhere")  # another machine's path
+    cfg = replace(cfg, work=str(work))
     monkeypatch.undo()
 
     def no_features(*a, **k):

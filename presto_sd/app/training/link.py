@@ -184,9 +184,10 @@ def _settings(cfg: LinkConfig) -> dict:
 
 def _changed(was: dict, asked: dict) -> list[str]:
     """The settings a link dir was made with that differ from these; a setting added since
-    (absent from its link.json) reads as its default, so older dirs still resume."""
+    (absent from its link.json) reads as its default, so older dirs still resume. Where the
+    dir lies is not a setting: a dir moved (to another machine) resumes."""
     defaults = _settings(LinkConfig(work="", first_shard=0, shards=0))
-    return sorted(k for k in asked if was.get(k, defaults[k]) != asked[k])
+    return sorted(k for k in asked if k != "work" and was.get(k, defaults[k]) != asked[k])
 
 
 def _check(cfg: LinkConfig) -> None:
