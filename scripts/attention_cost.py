@@ -130,9 +130,9 @@ def measure(context: int, rows: int, slot_k: torch.Tensor, slot_v: torch.Tensor)
                                                           HD**-0.5))
         line += f"native in place {native:5.0f}, "
         if rows > 1:  # the tree's rows over each KV head as one run: the prefix read once
-            shared = native_rows.SharedRuns.by_kv_head(rows, KV, context)
+            tree_runs = native_rows.SharedRuns.by_kv_head(rows, KV, context)
             native = timed(lambda: native_rows.unit_attention(units, slot_k, slot_v, runs, where, first, seen,
-                                                              HD**-0.5, shared))
+                                                              HD**-0.5, tree_runs))
             line += f"native shared prefix {native:5.0f}, "
     if rows > 1:
         line += f"sdpa rows, 2 py threads {timed(two_threads):5.0f}, "
