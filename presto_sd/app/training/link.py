@@ -11,6 +11,7 @@ output in the link's dir and is skipped when it is there, so an interrupted link
 
     data/        the shards' features and soft labels (``train features``; cached by sha256)
     run/         the training run (``train drafter --init-drafter PARENT``; resumable)
+    averaged/    its weights averaged with the parent's (``train average``; ``--average``, 0.5)
     candidate/   the exported drafter with its predictors (``train export``, ``train acceptance``)
     choice/      the held-out mix (``heldout-mix.jsonl``), one replay per (drafter, rho) (``bench --replay``);
                  ``candidate-lambda/RHO/``: the lambda of each rho that proposes its own candidates
@@ -86,6 +87,10 @@ class LinkConfig:
                 "(their answers as the corpus holds them; e.g. corpus/smollm2-135m:98:49 beside a magpie "
                 "window: magpie answers alone pulled the drafter off math and code, docs/training.md); "
                 "the n-gram rho table is fitted on every window"})
+    average: float = field(default=0.5, metadata={
+        "help": "the trained weights' share of their average with the parent's, which is the candidate "
+                "(1 = the trained weights alone, as every link through the fourteenth made; the fourteenth's "
+                "midpoint beat both ends on every drafter-only row: docs/training.md)"})
     written_sources: str = field(default=DEFAULT_WRITTEN_SOURCES, metadata={
         "help": "with --written: the plan sources whose written answers it trains on (sharegpt, code, "
                 "arith: templated worked solutions, not yet measured)"})
@@ -171,9 +176,12 @@ def _fitted_candidate(cfg: LinkConfig, work: Path, parent: Path, candidate: Path
     if not candidate.is_dir():  # exported beside it, then renamed: a dir there is a whole export
         from presto_sd.app.training.export import export_drafter
 
+        trained = _train(cfg, train_data, work / "run", parent)
+        if cfg.average < 1:
+            trained = _averaged(parent, trained, work / "averaged", cfg.average)
         staged = work / "candidate.export"
         shutil.rmtree(staged, ignore_errors=True)
-        export_drafter(_train(cfg, train_data, work / "run", parent), staged).rename(candidate)
+        export_drafter(trained, staged).rename(candidate)
     # its n-gram table models the target's own text: the regenerated answers only
     _acceptance(cfg, ",".join(answers), candidate, parent_config)
 
@@ -182,11 +190,15 @@ def _settings(cfg: LinkConfig) -> dict:
     return {**asdict(cfg), "budgets": list(cfg.budgets)}  # as JSON reads it back
 
 
+# a setting added since a dir was made reads as what such a dir did (else as its default)
+BEFORE_THE_SETTING = {"average": 1.0}
+
+
 def _changed(was: dict, asked: dict) -> list[str]:
     """The settings a link dir was made with that differ from these; a setting added since
-    (absent from its link.json) reads as its default, so older dirs still resume. Where the
-    dir lies is not a setting: a dir moved (to another machine) resumes."""
-    defaults = _settings(LinkConfig(work="", first_shard=0, shards=0))
+    (absent from its link.json) reads as what the dir did without it, so older dirs still
+    resume. Where the dir lies is not a setting: a dir moved (to another machine) resumes."""
+    defaults = {**_settings(LinkConfig(work="", first_shard=0, shards=0)), **BEFORE_THE_SETTING}
     return sorted(k for k in asked if k != "work" and was.get(k, defaults[k]) != asked[k])
 
 
@@ -206,6 +218,11 @@ def _check(cfg: LinkConfig) -> None:
             known = ", ".join(sorted(set(DATASETS) - BENCHMARKS))
             raise LinkError(f"--choose-on {cfg.choose_on}: {', '.join(unknown) if sets else 'nothing'} is "
                             f"neither {HELDOUT_MIX}, a dataset ({known}) nor a JSONL file")
+    if not 0.0 < cfg.average <= 1.0:
+        raise LinkError(f"--average {cfg.average}: the trained weights' share, in (0, 1]")
+    if cfg.average < 1 and cfg.grow_layers:
+        raise LinkError("--grow-layers with --average below 1: a grown drafter's weights do not match its "
+                        "parent's (give --average 1)")
     if cfg.choose_n < 1:
         raise LinkError(f"--choose-n {cfg.choose_n}: the choice needs at least 1 prompt a set")
 
@@ -270,6 +287,18 @@ def _train(cfg: LinkConfig, data: str, run: Path, parent: Path) -> Path:
         grow_layers=cfg.grow_layers, batch_seqs=cfg.batch_seqs, heldout_seqs=cfg.heldout_seqs,
         # beside written answers the hard label is the target's own choice (for its answers the same)
         hard_labels="target" if cfg.written else "tokens"))
+
+
+def _averaged(parent: Path, trained: Path, out: Path, share: float) -> Path:
+    """The trained weights averaged with the parent's, in fp32 (the export casts)."""
+    import torch
+
+    from presto_sd.app.training.average import REPORT, average_drafters
+
+    if (out / REPORT).is_file():  # written last: the dir is whole
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    return average_drafters(parent, trained, out, share, dtype=torch.float32)
 
 
 def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict) -> None:
