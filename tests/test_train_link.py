@@ -17,6 +17,7 @@ from presto_sd.app.training.held_out_replay import choice_score
 from presto_sd.app.training.link import LinkConfig, LinkError, run_link
 from presto_sd.app.training.train_drafter import TrainConfig, train_drafter
 from presto_sd.models.assets import file_digests, write_digests
+from presto_sd.models.dflash import DFlashDraftModel
 from presto_sd.models.loading import load_target, sha256_of
 
 GROW = dict(sources="code,arith", n_code=8, n_arith=8, max_new_tokens=24, batch_size=4, dtype="float32")
@@ -84,6 +85,12 @@ def test_a_link_trains_chooses_on_held_out_prompts_and_resumes(chain):
     # it trained from the parent, on the shard after the parent's, its predictors from the next
     assert json.loads((work / "data" / "meta.json").read_text())["first_shard"] == 1
     assert json.loads((candidate / "acceptance_report.json").read_text())["config"]["corpus_from_shard"] == 2
+    # the candidate is the trained weights averaged with the parent's (--average 0.5), rounded once to bf16
+    trained, parent = (DFlashDraftModel.load(p).state_dict() for p in (work / "run" / "drafter", chain[2]))
+    shipped = DFlashDraftModel.load(candidate, torch.bfloat16).state_dict()
+    midpoint = {k: (0.5 * parent[k] + 0.5 * trained[k]).to(torch.bfloat16) for k in parent}
+    assert all(torch.equal(v, midpoint[k]) for k, v in shipped.items())
+    assert not all(torch.equal(parent[k], trained[k]) for k in parent)
     # resumed: every step is found done, nothing is redone
     stamps = {p: p.stat().st_mtime_ns for p in work.rglob("*")
               if p.is_file() and p.name != "link_report.json"}
@@ -132,6 +139,11 @@ def test_a_link_refuses_a_benchmark_to_choose_on_and_a_window_the_corpus_cannot_
             run_link(link_config(chain, "refused", choose_on=what))
     with pytest.raises(LinkError, match="at least 1 prompt"):
         run_link(link_config(chain, "refused", choose_n=0))
+    for share in (0.0, 1.5):
+        with pytest.raises(LinkError, match="--average"):
+            run_link(link_config(chain, "refused", average=share))
+    with pytest.raises(LinkError, match="grow-layers"):
+        run_link(link_config(chain, "refused", grow_layers=1))
     with pytest.raises(LinkError, match="asks 9"):  # shards 2-3 hold 8 prompts
         run_link(link_config(chain, "refused", acceptance_prompts=9))
     with pytest.raises(LinkError, match="lies in the window 1-2"):
@@ -173,6 +185,12 @@ def test_a_link_dir_resumes_only_with_its_own_settings(chain):
     del made["written"]
     settings.write_text(json.dumps(made))
     run_link(link_config(chain, "settings", steps=5, choose_n=1))
+    # ... as what such a dir did: before --average, a candidate was its trained weights alone
+    del made["average"]
+    settings.write_text(json.dumps(made))
+    with pytest.raises(LinkError, match="other settings \\(average\\)"):
+        run_link(link_config(chain, "settings", steps=5, choose_n=1))
+    run_link(link_config(chain, "settings", steps=5, choose_n=1, average=1.0))
 
 
 def test_a_link_with_written_answers_trains_on_both_with_the_targets_labels(chain, monkeypatch):

@@ -67,6 +67,8 @@ def _why_not_averageable(a: DFlashDraftModel, b: DFlashDraftModel) -> str:
     if (a.prefix_head is None) != (b.prefix_head is None):
         return "one has a prefix head, the other none (add-head first, or average the drafters without)"
     sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa) and a.config != b.config:
+        return "other configs (block size, mask token, target layers...): another drafter"
     if sa.keys() != sb.keys():
         return f"other weights ({sorted(sa.keys() ^ sb.keys())[:3]}): another architecture"
     if shapes := [k for k in sa if sa[k].shape != sb[k].shape]:

@@ -1,0 +1,85 @@
+"""``presto-sd train average``: a drafter's weights averaged with its parent's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from presto_sd.app.training.average import REPORT, AverageError, average_drafters
+from presto_sd.models.dflash import DFlashDraftModel
+from tests.conftest import tiny_drafter_model
+
+
+def pair(target, tmp_path, **child_kw):
+    """A parent and a child of one architecture, fp32 on disk, the child with its log."""
+    parent, child = tiny_drafter_model(target, seed=1), tiny_drafter_model(target, seed=2, **child_kw)
+    parent.save(tmp_path / "parent")
+    child.save(tmp_path / "run" / "drafter")
+    (tmp_path / "run" / "train_log.jsonl").write_text('{"step": 10}\n')
+    return parent, child
+
+
+def test_the_average_is_the_weighted_midpoint_with_the_childs_log(tiny_target, tmp_path):
+    parent, child = pair(tiny_target, tmp_path)
+    for share in (0.5, 0.25, 1.0):
+        out = average_drafters(tmp_path / "parent", tmp_path / "run/drafter", tmp_path / f"a{share}", share)
+        got = DFlashDraftModel.load(out).state_dict()
+        for k, p in parent.state_dict().items():
+            assert torch.equal(got[k], (1 - share) * p + share * child.state_dict()[k]), (share, k)
+        assert (out / "train_log.jsonl").read_text() == '{"step": 10}\n'
+        report = json.loads((out / REPORT).read_text())
+        assert report["child_share"] == share
+        assert report["parent_weights_sha256"] != report["child_weights_sha256"]
+    # no predictors: they belong to one drafter's marginals (train acceptance fits the average's)
+    assert not {"presto.json", "h_phi", "ngram.json.gz", "sha256.json"} & {p.name for p in out.iterdir()}
+
+
+def test_the_average_keeps_the_childs_dtype_on_disk_unless_told(tiny_target, tmp_path):
+    pair(tiny_target, tmp_path)
+    child = DFlashDraftModel.load(tmp_path / "run" / "drafter")
+    child.save(tmp_path / "bf16", dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    out = average_drafters(tmp_path / "parent", tmp_path / "bf16", tmp_path / "avg")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    out = average_drafters(tmp_path / "parent", tmp_path / "bf16", tmp_path / "avg32", dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def variant(target, path, layers: int | None = None, d2t: torch.Tensor | None = None, **dflash) -> None:
+    """A tiny drafter saved at ``path`` with its config changed: layers, dflash_config fields, a token map."""
+    tiny_drafter_model(target).save(path)
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = layers or config["num_hidden_layers"]
+    config["dflash_config"].update(dflash, **({"draft_vocab_size": len(d2t)} if d2t is not None else {}))
+    model = DFlashDraftModel(DFlashDraftModel.load(path).config.from_dict(config))
+    model.d2t = d2t
+    model.save(path)
+
+
+def test_drafters_that_cannot_be_averaged_are_refused_writing_nothing(tiny_target, tmp_path):
+    pair(tiny_target, tmp_path)
+    parent, child = tmp_path / "parent", tmp_path / "run" / "drafter"
+    for share in (0.0, -0.5, 1.5):
+        with pytest.raises(AverageError, match="in \\(0, 1\\]"):
+            average_drafters(parent, child, tmp_path / "out", share)
+    variant(tiny_target, tmp_path / "deeper", layers=2)
+    variant(tiny_target, tmp_path / "other-block", block_size=8)  # the same shapes: another drafter still
+    variant(tiny_target, tmp_path / "headed", prefix_head_rank=4)
+    variant(tiny_target, tmp_path / "map-a", d2t=torch.arange(64))
+    variant(tiny_target, tmp_path / "map-b", d2t=torch.arange(1, 65))
+    for other, why in (("deeper", "another architecture"), ("other-block", "other configs"),
+                       ("headed", "prefix head"), ("map-a", "other configs")):
+        with pytest.raises(AverageError, match=why):
+            average_drafters(parent, tmp_path / other, tmp_path / "out")
+    with pytest.raises(AverageError, match="token maps"):
+        average_drafters(tmp_path / "map-a", tmp_path / "map-b", tmp_path / "out")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("")
+    with pytest.raises(FileExistsError):
+        average_drafters(parent, child, tmp_path / "busy")
+    assert not (tmp_path / "out").exists()
