@@ -1,4 +1,4 @@
-"""``presto-sd train average``: a drafter's weights averaged with its parent's.
+"""``presto-sd train average``: a drafter's weights averaged with its parent's (or its chain's).
 
 A link trains its parent on a window of new data at a re-warmed learning rate; the trained
 weights alone replayed below their parent on the held-out mix (the fourteenth link: linear
@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,53 +28,67 @@ REPORT = "average_report.json"
 
 
 class AverageError(ValueError):
-    """Two drafters whose weights cannot be averaged (other shapes, token maps or heads)."""
+    """Drafters whose weights cannot be averaged (other shapes, configs or token maps)."""
 
 
-def average_drafters(parent: str | Path, child: str | Path, out: str | Path, child_share: float = 0.5,
+def average_drafters(drafters: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None,
                      dtype: torch.dtype | None = None) -> Path:
-    """Write ``(1 - child_share) * parent + child_share * child`` to the new drafter dir ``out``
-    (in ``dtype``, by default the child's on disk), with the child's training log and report
-    and an ``average_report.json``. Refused, writing nothing, unless the two have one
-    architecture, one token map and both or neither a prefix head."""
-    parent, child, out = Path(parent), Path(child), Path(out)
-    if not 0.0 < child_share <= 1.0:
-        raise AverageError(f"--child-share {child_share}: a share of the child in (0, 1]")
+    """Write the weighted average of ``drafters`` (``weights`` normalised; equal when not given)
+    to the new drafter dir ``out``, in ``dtype`` (by default the first's on disk). The first
+    drafter is the newest, the one the average stands for: its config, training log and report
+    are kept. A prefix head is averaged over the drafters that have one (a head is trained on
+    one drafter's states: with one only, it is the first's); ``average_report.json`` says what
+    went in. Refused, writing nothing, unless all have one architecture and one token map."""
+    paths, out = [Path(d) for d in drafters], Path(out)
+    weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
+    if len(paths) < 2 or len(weights) != len(paths):
+        raise AverageError(f"{len(paths)} drafters, {len(weights)} weights: at least two, one weight each")
+    if any(not w > 0 for w in weights):  # also NaN
+        raise AverageError(f"weights {weights}: each > 0 (a drafter with none is left out)")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty: average writes a new drafter dir")
-    mine, theirs = DFlashDraftModel.load(child), DFlashDraftModel.load(parent)
-    why = _why_not_averageable(mine, theirs)
-    if why:
-        raise AverageError(f"{child} and {parent} cannot be averaged: {why}")
-    state, base = mine.state_dict(), theirs.state_dict()
-    mine.load_state_dict({k: (1.0 - child_share) * base[k] + child_share * v for k, v in state.items()})
+    models = [DFlashDraftModel.load(p) for p in paths]
+    for path, model in zip(paths[1:], models[1:]):
+        if why := _why_not_averageable(models[0], model):
+            raise AverageError(f"{paths[0]} and {path} cannot be averaged: {why}")
+    states = [m.state_dict() for m in models]
+    averaged = {}
+    for k in states[0]:
+        having = [(s[k], w) for s, w in zip(states, weights) if k in s]  # a head: those that have one
+        averaged[k] = sum(v * (w / sum(w for _, w in having)) for v, w in having)
+    first = models[0]
+    first.load_state_dict(averaged)
     if dtype is None:
-        dtype = getattr(torch, json.loads((child / "config.json").read_text()).get("torch_dtype", "float32"))
-    mine.save(out, dtype=dtype)
+        config = json.loads((paths[0] / "config.json").read_text())
+        dtype = getattr(torch, config.get("torch_dtype", "float32"))
+    first.save(out, dtype=dtype)
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in KEPT:
-        found = next((p for p in (child / name, child.parent / name) if p.is_file()), None)
+        found = next((p for p in (paths[0] / name, paths[0].parent / name) if p.is_file()), None)
         if found is not None:
             shutil.copyfile(found, out / name)
-    (out / REPORT).write_text(json.dumps({
-        "child_share": child_share, "parent": str(parent), "child": str(child),
-        "parent_weights_sha256": weights_digest(parent), "child_weights_sha256": weights_digest(child),
-    }, indent=2) + "\n")
+    total = sum(weights)
+    (out / REPORT).write_text(json.dumps({"drafters": [
+        {"path": str(p), "share": round(w / total, 6), "weights_sha256": weights_digest(p),
+         "prefix_head": m.prefix_head is not None} for p, w, m in zip(paths, weights, models)]},
+        indent=2) + "\n")
     return out
 
 
 def _why_not_averageable(a: DFlashDraftModel, b: DFlashDraftModel) -> str:
-    if (a.prefix_head is None) != (b.prefix_head is None):
-        return "one has a prefix head, the other none (add-head first, or average the drafters without)"
-    sa, sb = a.state_dict(), b.state_dict()
-    if sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa) and a.config != b.config:
-        return "other configs (block size, mask token, target layers...): another drafter"
+    """Why ``b``'s weights cannot go into an average that stands for ``a`` ('' when they can)."""
+    sa, sb = ({k: v for k, v in m.state_dict().items() if not k.startswith("prefix_head.")} for m in (a, b))
     if sa.keys() != sb.keys():
         return f"other weights ({sorted(sa.keys() ^ sb.keys())[:3]}): another architecture"
     if shapes := [k for k in sa if sa[k].shape != sb[k].shape]:
         return f"other shapes ({shapes[:3]}): another architecture"
+    if a.prefix_head is not None and b.prefix_head is not None and (
+            a.config.prefix_head_rank != b.config.prefix_head_rank):
+        return "prefix heads of other ranks"
+    if replace(a.config, prefix_head_rank=None) != replace(b.config, prefix_head_rank=None):
+        return "other configs (block size, mask token, target layers...): another drafter"
     if (a.d2t is None) != (b.d2t is None) or (a.d2t is not None and not torch.equal(a.d2t, b.d2t)):
         return "other token maps (a drafter's rows are its map's tokens)"
     return ""

@@ -111,14 +111,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="the weights' dtype on disk (default: %(default)s; loading casts to the target's)")
 
-    av = tsub.add_parser("average", help="a drafter's weights averaged with its parent's (a link's trained "
-                         "weights with the drafter it started from) into a new dir, without predictors "
+    av = tsub.add_parser("average", help="drafters' weights averaged into a new dir (a link's trained "
+                         "weights with its parent's, or a chain's links), without predictors "
                          "(then `train export` and `train acceptance` on it)")
-    av.add_argument("--parent", required=True, help="the drafter dir the child was trained from")
-    av.add_argument("--child", required=True, help="a drafter dir trained from the parent (or RUN/drafter)")
+    av.add_argument("--drafters", required=True,
+                    help="drafter dirs of one architecture and token map, comma-separated, the newest first "
+                         "(its config, log and report are kept)")
+    av.add_argument("--weights", default="", help="their weights, comma-separated (default: equal)")
     av.add_argument("--out", required=True, help="the new drafter dir (must be new or empty)")
-    av.add_argument("--child-share", type=float, default=0.5,
-                    help="the child's share of the average, in (0, 1] (default: %(default)s)")
 
     ah = tsub.add_parser("add-head", help="put a prefix head trained alone on a drafter (`train drafter "
                          "--init-drafter DIR --prefix-rank R --prefix-only`) into that drafter dir, digests "
@@ -229,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.train_command == "average":
         from presto_sd.app.training.average import average_drafters
 
-        print(average_drafters(args.parent, args.child, args.out, args.child_share))
+        weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+        print(average_drafters(args.drafters.split(","), args.out, weights))
     elif args.train_command == "add-head":
         from presto_sd.app.training.export import add_prefix_head
 

@@ -298,7 +298,7 @@ def _averaged(parent: Path, trained: Path, out: Path, share: float) -> Path:
     if (out / REPORT).is_file():  # written last: the dir is whole
         return out
     shutil.rmtree(out, ignore_errors=True)
-    return average_drafters(parent, trained, out, share, dtype=torch.float32)
+    return average_drafters([trained, parent], out, [share, 1.0 - share], dtype=torch.float32)
 
 
 def _acceptance(cfg: LinkConfig, data: str, candidate: Path, parent_config: dict) -> None:
