@@ -17,7 +17,8 @@ import torch
 from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, write_digests
 from presto_sd.models.dflash import DFlashDraftModel
 
-KEPT = ("training_report.json", "train_log.jsonl")  # beside the weights, or in the run dir above
+# beside the weights, or in the run dir above; an averaged drafter's report says what went in
+KEPT = ("training_report.json", "train_log.jsonl", "average_report.json")
 HEAD_RHOS = ("prefix", "prefix-ngram", "prefix-lookup")  # a prefix head's rhos: their lambdas are its
 HEAD_REPORT = "prefix_head_report.json"  # the head's training report, in the drafter dir it joined
 
