@@ -106,3 +106,18 @@ def test_drafters_that_cannot_be_averaged_are_refused_writing_nothing(tiny_targe
     with pytest.raises(FileExistsError):
         average_drafters([child, parent], tmp_path / "busy")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_says_what_is_wrong_in_one_line(tiny_target, tmp_path, capsys):
+    from presto_sd.app.cli import main
+
+    pair(tiny_target, tmp_path)
+    drafters = f"{tmp_path / 'run/drafter'},{tmp_path / 'parent'}"
+    for argv, why in ((["--drafters", drafters, "--weights", "a,b"], "could not convert"),
+                      (["--drafters", drafters, "--weights", "1"], "one weight each"),
+                      (["--drafters", str(tmp_path / "parent")], "at least two")):
+        with pytest.raises(SystemExit, match=f"presto-sd: train average: .*{why}"):
+            main(["train", "average", *argv, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    main(["train", "average", "--drafters", drafters, "--weights", "3,1", "--out", str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / REPORT).read_text())["drafters"][0]["share"] == 0.75
