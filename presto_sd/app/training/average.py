@@ -35,10 +35,12 @@ def average_drafters(drafters: Sequence[str | Path], out: str | Path, weights: S
                      dtype: torch.dtype | None = None) -> Path:
     """Write the weighted average of ``drafters`` (``weights`` normalised; equal when not given)
     to the new drafter dir ``out``, in ``dtype`` (by default the first's on disk). The first
-    drafter is the newest, the one the average stands for: its config, training log and report
-    are kept. A prefix head is averaged over the drafters that have one (a head is trained on
-    one drafter's states: with one only, it is the first's); ``average_report.json`` says what
-    went in. Refused, writing nothing, unless all have one architecture and one token map."""
+    drafter is the newest, the one the average stands for: its config (so whether there is a
+    prefix head), training log and report are kept. Where the first has a prefix head, it is
+    averaged over the drafters that have one (a head is trained on one drafter's states: with
+    one only, it is the first's); where it has none, the others' are dropped.
+    ``average_report.json`` says what went in. Refused, writing nothing, unless all have one
+    architecture and one token map."""
     paths, out = [Path(d) for d in drafters], Path(out)
     weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
     if len(paths) < 2 or len(weights) != len(paths):
@@ -60,12 +62,13 @@ def average_drafters(drafters: Sequence[str | Path], out: str | Path, weights: S
     first.load_state_dict(averaged)
     if dtype is None:
         config = json.loads((paths[0] / "config.json").read_text())
-        dtype = getattr(torch, config.get("torch_dtype", "float32"))
+        dtype = getattr(torch, str(config.get("torch_dtype")), None)
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # "auto", none: fp32
     first.save(out, dtype=dtype)
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in KEPT:
+    for name in (n for n in KEPT if n != REPORT):  # the report written last marks the dir whole
         found = next((p for p in (paths[0] / name, paths[0].parent / name) if p.is_file()), None)
         if found is not None:
             shutil.copyfile(found, out / name)

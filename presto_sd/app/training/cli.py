@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         try:  # what the user asked for, not a bug: one line, no traceback
             weights = [float(w) for w in args.weights.split(",")] if args.weights else None
             print(average_drafters(args.drafters.split(","), args.out, weights))
-        except (AverageError, FileExistsError, ValueError) as e:
+        except (AverageError, FileExistsError, FileNotFoundError, ValueError) as e:
             raise SystemExit(f"presto-sd: train average: {e}") from None
     elif args.train_command == "add-head":
         from presto_sd.app.training.export import add_prefix_head

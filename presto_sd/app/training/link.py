@@ -143,6 +143,8 @@ def run_link(cfg: LinkConfig) -> dict:
     if settings.is_file() and (changed := _changed(was := json.loads(settings.read_text()), asked)):
         hint = (f" (it chose on {was['choose_on']!r}: --choose-on {was['choose_on']})"
                 if "choose_on" in changed and "choose_on" in was else "")
+        if "average" in changed and "average" not in was:
+            hint += " (made before --average, its candidate is its trained weights alone: --average 1)"
         raise LinkError(f"{work} holds a link made with other settings ({', '.join(changed)}){hint}: "
                         "give a new --work, or the same settings to resume it")
     if not settings.is_file():
