@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from presto_sd.app.training.export import KEPT
+from presto_sd.app.training.export import KEPT, write_drafter_dir
 from presto_sd.models.dflash import DFlashDraftModel
 
 REPORT = "average_report.json"
@@ -57,21 +56,16 @@ def average_drafters(drafters: Sequence[str | Path], out: str | Path, weights: S
     averaged = {}
     for k in states[0]:
         having = [(s[k], w) for s, w in zip(states, weights) if k in s]  # a head: those that have one
-        averaged[k] = sum(v * (w / sum(w for _, w in having)) for v, w in having)
+        weight_sum = sum(w for _, w in having)
+        averaged[k] = sum(v * (w / weight_sum) for v, w in having)
     first = models[0]
     first.load_state_dict(averaged)
     if dtype is None:
         config = json.loads((paths[0] / "config.json").read_text())
         dtype = getattr(torch, str(config.get("torch_dtype")), None)
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # "auto", none: fp32
-    first.save(out, dtype=dtype)
-    config = json.loads((out / "config.json").read_text())
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in (n for n in KEPT if n != REPORT):  # the report written last marks the dir whole
-        found = next((p for p in (paths[0] / name, paths[0].parent / name) if p.is_file()), None)
-        if found is not None:
-            shutil.copyfile(found, out / name)
+    # the first's log and report; not its own average report: the new one, written last, marks the dir whole
+    write_drafter_dir(first, out, dtype, paths[0], tuple(n for n in KEPT if n != REPORT))
     total = sum(weights)
     (out / REPORT).write_text(json.dumps({"drafters": [
         {"path": str(p), "share": round(w / total, 6), "weights_sha256": weights_digest(p),

@@ -30,12 +30,19 @@ def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype =
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty: export writes a new drafter dir")
     model = DFlashDraftModel.load(checkpoint)  # refuses missing or unexpected weights
+    return write_drafter_dir(model, out, dtype, checkpoint)
+
+
+def write_drafter_dir(model: DFlashDraftModel, out: Path, dtype: torch.dtype, source: Path,
+                      kept: tuple[str, ...] = KEPT) -> Path:
+    """``model`` saved to ``out`` in ``dtype`` (its config saying so), with the ``kept`` files
+    found beside ``source`` (a drafter dir) or in the run dir above it."""
     model.save(out, dtype=dtype)
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = str(dtype).removeprefix("torch.")  # what the weights on disk are
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in KEPT:
-        found = next((p for p in (checkpoint / name, checkpoint.parent / name) if p.is_file()), None)
+    for name in kept:
+        found = next((p for p in (source / name, source.parent / name) if p.is_file()), None)
         if found is not None:
             shutil.copyfile(found, out / name)
     return out
