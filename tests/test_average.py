@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from presto_sd.app.training.average import REPORT, AverageError, average_drafters
-from presto_sd.models.dflash import DFlashDraftModel
+from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
 from tests.conftest import tiny_drafter_model
 
 
@@ -77,7 +77,7 @@ def variant(target, path, layers: int | None = None, d2t: torch.Tensor | None = 
     config["num_hidden_layers"] = layers or config["num_hidden_layers"]
     config["dflash_config"].update(dflash, **({"draft_vocab_size": len(d2t)} if d2t is not None else {}))
     torch.manual_seed(seed)
-    model = DFlashDraftModel(DFlashDraftModel.load(path).config.from_dict(config))
+    model = DFlashDraftModel(DFlashConfig.from_dict(config))
     model.d2t = d2t
     model.save(path)
 
