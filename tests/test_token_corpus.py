@@ -141,6 +141,12 @@ def test_a_drafter_trains_on_the_corpus_with_soft_labels(tiny_target_dir, tmp_pa
     assert meta["shards"] == 3 and meta["prefilled_tokens"] > 0 and meta["prefill_tokens_per_s"] > 0
     again = materialize(corpus, tmp_path / "data2", model, str(tiny_target_dir), (0, 1), top_k=8)
     assert json.loads((again / "meta.json").read_text())["prefilled_tokens"] == 0  # a cache hit
+    for window, why in (({"first_shard": 3}, "no corpus shards from shard 3 .*lists 3"),
+                        ({"corpus_dir": tmp_path / "typo"}, "no corpus shards .*lists 0")):
+        with pytest.raises(CorpusError, match=why):  # not an empty data dir that trains on nothing
+            materialize(**{"corpus_dir": corpus, **window}, out=tmp_path / "none", model=model,
+                        target=str(tiny_target_dir), layer_ids=(0, 1), top_k=8)
+    assert not (tmp_path / "none").exists()
     seqs = load_shards(data)
     assert all(s.soft_labels[0].shape == (len(s.tokens), 8) for s in seqs)
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), target=str(tiny_target_dir),

@@ -10,6 +10,8 @@
     presto-sd bench [--datasets gsm8k,humaneval,mtbench] [--methods ...] [--budgets 8,16,32] --out DIR
                                                                                   (app/bench/cli.py)
 Shared flags live in ``app/flags.py``; the engines a command runs on are built by ``app/stack.py``.
+A refusal (``app/errors.py``: a bad value, a missing corpus, a work dir made otherwise) exits 1 with
+one line, ``presto-sd: <why>``; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 
 from presto_sd.app import generate, models, serve, up
 from presto_sd.app.bench import cli as bench_cli
+from presto_sd.app.errors import UsageError
 from presto_sd.app.training import cli as train_cli
 from presto_sd.models.assets import DrafterNotFoundError
 from presto_sd.models.dflash_fields import UnsupportedDrafterConfig
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (DrafterNotFoundError, UnsupportedDrafterConfig) as e:  # what the user asked for, not a bug
+    except (UsageError, DrafterNotFoundError, UnsupportedDrafterConfig) as e:  # what was asked, not a bug
         raise SystemExit(f"presto-sd: {e}") from None
 
 

@@ -34,10 +34,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from presto_sd.app.errors import UsageError
 from presto_sd.models.cache import cache_dir
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError, ValueError):
     """A prompt set cannot be fetched, verified or parsed."""
 
 

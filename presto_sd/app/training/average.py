@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
+from presto_sd.app.errors import UsageError
 from presto_sd.app.training.export import KEPT, write_drafter_dir
 from presto_sd.models.dflash import DFlashDraftModel
 
 REPORT = "average_report.json"
 
 
-class AverageError(ValueError):
+class AverageError(UsageError, ValueError):
     """Drafters whose weights cannot be averaged (other shapes, configs or token maps)."""
 
 

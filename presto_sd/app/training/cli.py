@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
+from presto_sd.app.errors import UsageError
 from presto_sd.models.cache import cache_dir
 
 DEFAULT_DATA = "data/smollm2-sharegpt"
@@ -227,13 +228,13 @@ def run(args: argparse.Namespace) -> int:
 
         print(export_drafter(args.checkpoint, args.out, getattr(torch, args.dtype)))
     elif args.train_command == "average":
-        from presto_sd.app.training.average import AverageError, average_drafters
+        from presto_sd.app.training.average import average_drafters
 
-        try:  # what the user asked for, not a bug: one line, no traceback
+        try:  # the files named on the command line: what the user asked for, not a bug
             weights = [float(w) for w in args.weights.split(",")] if args.weights else None
             print(average_drafters(args.drafters.split(","), args.out, weights))
-        except (AverageError, FileExistsError, FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"presto-sd: train average: {e}") from None
+        except (FileExistsError, FileNotFoundError, ValueError) as e:
+            raise UsageError(f"train average: {e}") from None
     elif args.train_command == "add-head":
         from presto_sd.app.training.export import add_prefix_head
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from presto_sd.app.training.corpus import item_source
-from presto_sd.app.training.token_corpus import Corpus, IdShard
+from presto_sd.app.training.token_corpus import Corpus, CorpusError, IdShard
 from presto_sd.models.cache import cache_dir
 
 SOFT_TOP_K = 16
@@ -100,10 +100,14 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
     ``("sharegpt",)``): only those items, written out as a copy of each cached shard's rows
     instead of a link to it (the cache keeps whole shards)."""
     corpus = Corpus(corpus_dir)
+    indices = [i for i in corpus.indices() if i >= first_shard][: max_shards or None]
+    if not indices:  # a mistyped path or window would otherwise train on nothing, silently
+        where = f" from shard {first_shard}" if first_shard else ""
+        raise CorpusError(f"{corpus_dir}: no corpus shards{where} (its manifest.json lists "
+                          f"{len(corpus.indices())})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
-    indices = [i for i in corpus.indices() if i >= first_shard][: max_shards or None]
     entries = corpus.manifest()["shards"]
     prefilled_tokens, prefill_s = 0, 0.0
     for i in tqdm(indices, desc="features", unit="shard", mininterval=10):

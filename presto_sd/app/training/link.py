@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from presto_sd.app.datasets import BENCHMARKS, DATASETS
+from presto_sd.app.errors import UsageError
 from presto_sd.app.training.choose_lambda import PROPOSING_RHOS, REPORTED_ONLY_RHOS, choose_lambda
 from presto_sd.app.training.choose_set import HELDOUT_MIX, write_heldout_mix
 from presto_sd.app.training.export import HEAD_RHOS
@@ -102,7 +103,7 @@ class LinkConfig:
         return self.choose_on != HELDOUT_MIX and Path(self.choose_on).is_file()
 
 
-class LinkError(ValueError):
+class LinkError(UsageError, ValueError):
     """A link that cannot run as asked (a benchmark to choose on, no shards past its window)."""
 
 

@@ -32,11 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
+from presto_sd.app.errors import UsageError
+
 MAGIC = b"PRESTO-IDS-1\n"
 UINT16_MAX = 2**16 - 1
 
 
-class CorpusError(ValueError):
+class CorpusError(UsageError, ValueError):
     """A corpus shard or manifest is malformed, or does not match the plan resuming it."""
 
 
