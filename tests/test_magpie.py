@@ -85,6 +85,21 @@ def test_a_leaked_request_never_reaches_the_corpus(chatty_target, tmp_path):
     assert len(shard.item_ids) == len(kept) and f"magpie/0/{len(kept)}" not in shard.item_ids
 
 
+def test_a_request_start_steers_every_request_and_is_part_of_the_folders_key(chatty_target, tmp_path):
+    model, tok = chatty_target
+    start = "Solve this word problem step by step:"
+    cfg = _config(tmp_path, chunks=1, answer=False, request_start=f"  {start} ", min_words=2)
+    assert cfg.request_start == start
+    run_magpie(cfg, model, tok)
+    chunks = PromptChunks(cfg.prompts)
+    requests = chunks.read(0)
+    assert requests and all(r.startswith(start + " ") for r in requests)
+    assert all(len(r[len(start):].split()) >= 2 for r in requests)  # the target's own words
+    assert chunks.manifest()["key"]["prefix"] == user_turn_prefix(tok) + start
+    with pytest.raises(CorpusError, match=r"differs in prefix"):  # a free run into a steered folder
+        run_magpie(_config(tmp_path, chunks=1, answer=False, min_words=2), model, tok)
+
+
 def test_edited_chunks_other_settings_and_a_missing_folder_are_refused(chatty_target, tmp_path):
     model, tok = chatty_target
     cfg = _config(tmp_path, chunks=1, answer=False)

@@ -54,6 +54,11 @@ class MagpieConfig:
     dtype: str = _flag("bfloat16", "the target's dtype; bfloat16 only where the CPU has AVX512-BF16/AMX")
     max_new_tokens: int = _flag(256, "answer tokens per request at most")
     answer: bool = _flag(True, "answer the chunks after sampling them (--no-answer: prompts only)")
+    request_start: str = _flag("", "the words every request begins with, the target writing the rest: "
+                                   "steers the requests to a domain (e.g. math word problems); '' = free")
+
+    def __post_init__(self) -> None:  # the request's own words follow it after a space
+        object.__setattr__(self, "request_start", self.request_start.strip())
 
 
 def prompt_key(cfg: MagpieConfig, prefix: str) -> dict:
@@ -70,11 +75,16 @@ def user_turn_prefix(tok) -> str:
     return text[: text.index(_PLACEHOLDER)]
 
 
+def sampling_prefix(tok, cfg: MagpieConfig) -> str:
+    """What the target continues into a request: the user turn's start, then ``request_start``."""
+    return user_turn_prefix(tok) + cfg.request_start
+
+
 def sample_requests(model, tok, cfg: MagpieConfig, index: int) -> tuple[list[str], int]:
     """Chunk ``index``: (the kept requests, how many were sampled)."""
     from presto_sd.app.training.gen_data import GenDataConfig, _generate_batch
 
-    prefix = tok(user_turn_prefix(tok), add_special_tokens=False).input_ids
+    prefix = tok(sampling_prefix(tok, cfg), add_special_tokens=False).input_ids
     gen = GenDataConfig(out="", temperature=cfg.temperature, max_new_tokens=cfg.max_query_tokens)
     end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -84,8 +94,9 @@ def sample_requests(model, tok, cfg: MagpieConfig, index: int) -> tuple[list[str
     for ids in rows:
         if not ids or ids[-1] != end:  # not ended within max_query_tokens
             continue
-        text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
-        if len(text.split()) >= cfg.min_words and text.lower() not in seen:
+        written = tok.decode(ids[:-1], skip_special_tokens=True).strip()  # the target's own words
+        text = f"{cfg.request_start} {written}" if cfg.request_start else written
+        if len(written.split()) >= cfg.min_words and text.lower() not in seen:
             seen.add(text.lower())
             kept.append(text)
     return kept, len(rows)
@@ -94,7 +105,7 @@ def sample_requests(model, tok, cfg: MagpieConfig, index: int) -> tuple[list[str
 def grow_prompts(cfg: MagpieConfig, model, tok, upto: int) -> PromptChunks:
     """Sample every chunk below ``upto`` the folder lacks."""
     chunks = PromptChunks(cfg.prompts)
-    chunks.open(prompt_key(cfg, user_turn_prefix(tok)))
+    chunks.open(prompt_key(cfg, sampling_prefix(tok, cfg)))  # a free folder's key: as before
     have = set(chunks.indices())
     todo = [i for i in range(upto) if i not in have]
     bar = tqdm(total=upto, initial=upto - len(todo), desc="magpie prompts", unit="chunk", mininterval=10)
