@@ -25,6 +25,8 @@ def test_each_groups_refusal_is_a_usage_error_and_still_a_value_error():
      "--mix 'corpus-without-window': expected CORPUS:FIRST:SHARDS"),
     (["train", "link", "--first-shard", "0", "--shards", "1", "--corpus", "{tmp}/no-corpus"],
      r"shards 0-0: the corpus lacks \[0\] \(grow it first\)"),
+    (["train", "link", "--first-shard", "0", "--shards", "1", "--written", "--written-sources", "code,poems"],
+     "--written-sources 'code,poems': written answers come from"),
 ])
 def test_a_refused_link_is_one_line_and_writes_nothing(argv, why, tmp_path):
     work = tmp_path / "work"
@@ -39,12 +41,23 @@ def test_an_unknown_dataset_is_one_line(tmp_path):
         main(["bench", "--datasets", "nope", "--n", "1", "--methods", "ar", "--out", str(tmp_path / "b")])
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
+def test_an_output_dir_that_must_be_new_is_one_line(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept").write_text("mine")
+    with pytest.raises(SystemExit, match=r"^presto-sd: .*out is not empty: export writes a new drafter dir"):
+        main(["train", "export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["kept"]
+
+
+@pytest.mark.parametrize("error, one_line", [(CorpusError("a refusal"), True),
+                                             (ValueError("a bug"), False), (RuntimeError("a bug"), False)])
+def test_only_a_usage_error_is_one_line_a_bug_keeps_its_traceback(error, one_line, monkeypatch):
     from presto_sd.app.training import cli as train_cli
 
-    def broken(args):
-        raise RuntimeError("a bug, not a refusal")
+    def run(args):
+        raise error
 
-    monkeypatch.setattr(train_cli, "run", broken)
-    with pytest.raises(RuntimeError, match="a bug"):
-        main(["train", "link", "--first-shard", "0", "--shards", "1", "--work", "unused"])
+    monkeypatch.setattr(train_cli, "run", run)
+    argv = ["train", "link", "--first-shard", "0", "--shards", "1", "--work", "unused"]
+    with pytest.raises(SystemExit if one_line else type(error), match="a refusal" if one_line else "a bug"):
+        main(argv)

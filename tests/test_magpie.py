@@ -93,11 +93,20 @@ def test_a_request_start_steers_every_request_and_is_part_of_the_folders_key(cha
     run_magpie(cfg, model, tok)
     chunks = PromptChunks(cfg.prompts)
     requests = chunks.read(0)
-    assert requests and all(r.startswith(start + " ") for r in requests)
+    assert requests and all(r.startswith(start) for r in requests)
     assert all(len(r[len(start):].split()) >= 2 for r in requests)  # the target's own words
     assert chunks.manifest()["key"]["prefix"] == user_turn_prefix(tok) + start
     with pytest.raises(CorpusError, match=r"differs in prefix"):  # a free run into a steered folder
         run_magpie(_config(tmp_path, chunks=1, answer=False, min_words=2), model, tok)
+    free = _config(tmp_path / "free", chunks=1, min_words=2)
+    run_magpie(free, model, tok)
+    with pytest.raises(CorpusError, match=r"differs in prefix"):  # and a steered run into a free one
+        run_magpie(_config(tmp_path / "free", chunks=1, min_words=2, request_start=start), model, tok)
+    forgot = _config(tmp_path, prompts=str(tmp_path / "steered2"), corpus=free.corpus, chunks=1,
+                     request_start=start)
+    with pytest.raises(CorpusError, match=r"made by another plan"):  # the free plan's --corpus, forgotten:
+        run_magpie(forgot, model, tok)
+    assert not (tmp_path / "steered2").exists()  # refused before a request was sampled
 
 
 def test_edited_chunks_other_settings_and_a_missing_folder_are_refused(chatty_target, tmp_path):

@@ -30,8 +30,9 @@ def test_a_shard_round_trips_and_its_bytes_are_a_function_of_its_content():
 def test_malformed_shards_are_named_errors():
     with pytest.raises(CorpusError, match="uint16"):
         encode_shard(IdShard(("x",), ((70000,),), ((1,),)))
-    with pytest.raises(CorpusError, match="one prompt and one response"):
+    with pytest.raises(ValueError, match="one prompt and one response") as bug:  # a writer's bug
         IdShard(("x", "y"), ((1,),), ((1,),))
+    assert not isinstance(bug.value, CorpusError)  # so it keeps its traceback
     with pytest.raises(CorpusError, match="not an xz shard"):
         decode_shard(b"not xz")
     with pytest.raises(CorpusError, match="bad magic"):
@@ -142,7 +143,7 @@ def test_a_drafter_trains_on_the_corpus_with_soft_labels(tiny_target_dir, tmp_pa
     again = materialize(corpus, tmp_path / "data2", model, str(tiny_target_dir), (0, 1), top_k=8)
     assert json.loads((again / "meta.json").read_text())["prefilled_tokens"] == 0  # a cache hit
     for window, why in (({"first_shard": 3}, "no corpus shards from shard 3 .*lists 3"),
-                        ({"corpus_dir": tmp_path / "typo"}, "no corpus shards .*lists 0")):
+                        ({"corpus_dir": tmp_path / "typo"}, r"typo: not a corpus \(no manifest.json\)")):
         with pytest.raises(CorpusError, match=why):  # not an empty data dir that trains on nothing
             materialize(**{"corpus_dir": corpus, **window}, out=tmp_path / "none", model=model,
                         target=str(tiny_target_dir), layer_ids=(0, 1), top_k=8)

@@ -10,8 +10,9 @@
     presto-sd bench [--datasets gsm8k,humaneval,mtbench] [--methods ...] [--budgets 8,16,32] --out DIR
                                                                                   (app/bench/cli.py)
 Shared flags live in ``app/flags.py``; the engines a command runs on are built by ``app/stack.py``.
-A refusal (``app/errors.py``: a bad value, a missing corpus, a work dir made otherwise) exits 1 with
-one line, ``presto-sd: <why>``; anything else is a bug and keeps its traceback.
+A ``UsageError`` (``app/errors.py``: a bad value, a missing corpus, a work dir made otherwise, an
+output dir that must be new) exits 1 with one line, ``presto-sd: <why>``; any other exception keeps
+its traceback.
 """
 
 from __future__ import annotations

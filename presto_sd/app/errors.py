@@ -1,11 +1,12 @@
 """The one error a command says in a line: what the user asked for cannot be done as asked.
 
-Each command group's own refusals (a bad flag value, a corpus or prompt set that is missing or
-malformed, a work dir made with other settings) derive from ``UsageError`` as well as from
-``ValueError``, so callers that catch ``ValueError`` keep working. ``presto-sd``'s ``main``
-prints a ``UsageError`` as ``presto-sd: <message>`` on stderr and exits 1: no traceback, since
-the message alone says the fix. Anything else is a bug, and keeps its
-traceback.
+The refusals that derive from ``UsageError`` (a bad flag value, a corpus or prompt set that is
+missing or malformed, a work dir made with other settings, an output dir that must be new) also
+derive from ``ValueError`` or ``FileExistsError``, so callers that catch those keep working.
+``presto-sd``'s ``main`` prints a ``UsageError`` as ``presto-sd: <message>`` on stderr and exits
+1: no traceback, since the message alone says the fix. Anything else is a bug, and keeps its
+traceback. Not every refusal is one yet: a command's plain ``ValueError`` still prints its
+traceback, its last line saying what is wrong.
 """
 
 from __future__ import annotations
@@ -13,3 +14,7 @@ from __future__ import annotations
 
 class UsageError(Exception):
     """A request that cannot be carried out as given; its message says why and what to change."""
+
+
+class OutputExistsError(UsageError, FileExistsError):
+    """An output dir that must be new or empty is not (nothing in it is touched)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from presto_sd.app.errors import UsageError
+from presto_sd.app.errors import OutputExistsError, UsageError
 from presto_sd.app.training.export import KEPT, write_drafter_dir
 from presto_sd.models.dflash import DFlashDraftModel
 
@@ -48,7 +48,7 @@ def average_drafters(drafters: Sequence[str | Path], out: str | Path, weights: S
     if any(not w > 0 for w in weights):  # also NaN
         raise AverageError(f"weights {weights}: each > 0 (a drafter with none is left out)")
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty: average writes a new drafter dir")
+        raise OutputExistsError(f"{out} is not empty: average writes a new drafter dir")
     models = [DFlashDraftModel.load(p) for p in paths]
     for path, model in zip(paths[1:], models[1:]):
         if why := _why_not_averageable(models[0], model):

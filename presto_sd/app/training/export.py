@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from presto_sd.app.errors import OutputExistsError
 from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, write_digests
 from presto_sd.models.dflash import DFlashDraftModel
 
@@ -28,7 +29,7 @@ def export_drafter(checkpoint: str | Path, out: str | Path, dtype: torch.dtype =
     ``out`` in ``dtype``, with its log and report; ``out`` must be new or empty."""
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty: export writes a new drafter dir")
+        raise OutputExistsError(f"{out} is not empty: export writes a new drafter dir")
     model = DFlashDraftModel.load(checkpoint)  # refuses missing or unexpected weights
     return write_drafter_dir(model, out, dtype, checkpoint)
 

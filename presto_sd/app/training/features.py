@@ -101,10 +101,11 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
     instead of a link to it (the cache keeps whole shards)."""
     corpus = Corpus(corpus_dir)
     indices = [i for i in corpus.indices() if i >= first_shard][: max_shards or None]
-    if not indices:  # a mistyped path or window would otherwise train on nothing, silently
-        where = f" from shard {first_shard}" if first_shard else ""
-        raise CorpusError(f"{corpus_dir}: no corpus shards{where} (its manifest.json lists "
-                          f"{len(corpus.indices())})")
+    if not corpus.manifest_path.exists():  # a mistyped path would otherwise train on nothing
+        raise CorpusError(f"{corpus_dir}: not a corpus (no manifest.json)")
+    if not indices:
+        raise CorpusError(f"{corpus_dir}: no corpus shards from shard {first_shard} (its manifest.json "
+                          f"lists {len(corpus.indices())})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
@@ -136,7 +137,7 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
             link.symlink_to(cached)
     meta = {"target": target, "target_layer_ids": list(layer_ids), "top_k": top_k,
             "dtype": str(dtype).removeprefix("torch."), "corpus": str(corpus_dir), "shards": len(indices),
-            "first_shard": indices[0] if indices else None, "sources": list(sources) or "all",
+            "first_shard": indices[0], "sources": list(sources) or "all",
             "prefilled_tokens": prefilled_tokens, "prefill_seconds": round(prefill_s, 1),
             "prefill_tokens_per_s": round(prefilled_tokens / prefill_s, 1) if prefill_s else None}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -19,6 +19,10 @@ Two stages, both in the repo, both resumable:
    the target's greedy answers, shard ``i`` answering chunk ``i`` (the plan appends as chunks
    are added, so adding prompts never makes a committed shard stale).
 
+``--request-start TEXT`` steers a plan: every request begins with TEXT and the target writes
+the rest (math word problems for GSM8K: ``corpus/prompts/smollm2-135m-magpie-math``); the
+folder's key holds TEXT, so a steered plan and a free one never share a folder.
+
 Every request passes the corpus's 13-gram decontamination against every benchmark
 prompt when it is planned (``corpus.is_contaminated``).
 """
@@ -32,8 +36,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from presto_sd.app.training.grow_corpus import GrowConfig, _flag, grow_corpus
-from presto_sd.app.training.token_corpus import PromptChunks, made_by
+from presto_sd.app.training.grow_corpus import GrowConfig, _flag, grow_corpus, plan_key
+from presto_sd.app.training.token_corpus import Corpus, PromptChunks, made_by
 
 DEFAULT_PROMPTS = "corpus/prompts/smollm2-135m-magpie"
 DEFAULT_MAGPIE_CORPUS = "corpus/smollm2-135m-magpie"
@@ -48,7 +52,7 @@ class MagpieConfig:
     chunks: int = _flag(100, "prompt chunks (and answer shards) to have, 8 sampled then answered at a time")
     chunk_size: int = _flag(64, "requests sampled per chunk (one batch)")
     max_query_tokens: int = _flag(96, "a request the target has not ended by then is dropped")
-    min_words: int = _flag(3, "shorter requests are dropped")
+    min_words: int = _flag(3, "requests of fewer words the target wrote are dropped")
     temperature: float = _flag(1.0, "the requests' sampling temperature")
     seed: int = _flag(0, "chunk i samples with seed (seed, i)")
     dtype: str = _flag("bfloat16", "the target's dtype; bfloat16 only where the CPU has AVX512-BF16/AMX")
@@ -57,7 +61,7 @@ class MagpieConfig:
     request_start: str = _flag("", "the words every request begins with, the target writing the rest: "
                                    "steers the requests to a domain (e.g. math word problems); '' = free")
 
-    def __post_init__(self) -> None:  # the request's own words follow it after a space
+    def __post_init__(self) -> None:  # the target goes on from its last word (its own space or newline)
         object.__setattr__(self, "request_start", self.request_start.strip())
 
 
@@ -94,8 +98,8 @@ def sample_requests(model, tok, cfg: MagpieConfig, index: int) -> tuple[list[str
     for ids in rows:
         if not ids or ids[-1] != end:  # not ended within max_query_tokens
             continue
-        written = tok.decode(ids[:-1], skip_special_tokens=True).strip()  # the target's own words
-        text = f"{cfg.request_start} {written}" if cfg.request_start else written
+        written = tok.decode(ids[:-1], skip_special_tokens=True)  # the target's own words
+        text = (cfg.request_start + written).strip()  # as the target read and wrote it
         if len(written.split()) >= cfg.min_words and text.lower() not in seen:
             seen.add(text.lower())
             kept.append(text)
@@ -137,6 +141,9 @@ def run_magpie(cfg: MagpieConfig, model=None, tok=None) -> Path:
     if model is None:
         model, tok = load_target(cfg.target, torch.device("cpu"), getattr(torch, cfg.dtype))
     grow = answer_config(cfg)
+    answers = Corpus(cfg.corpus)
+    if cfg.answer and answers.manifest_path.exists():  # another plan's (a forgotten --corpus): refused
+        answers.open_plan(plan_key(grow), tok.name_or_path or str(cfg.target))  # before any sampling
     for upto in [*range(_STEP_CHUNKS, cfg.chunks, _STEP_CHUNKS), cfg.chunks]:
         grow_prompts(cfg, model, tok, upto)
         if cfg.answer:

@@ -52,7 +52,8 @@ class IdShard:
 
     def __post_init__(self) -> None:
         if not (len(self.item_ids) == len(self.prompts) == len(self.responses)):
-            raise CorpusError("a shard needs one prompt and one response per item id")
+            # a writer's bug, not a user's input: a ValueError keeps its traceback
+            raise ValueError("a shard needs one prompt and one response per item id")
 
     @property
     def n_tokens(self) -> int:
@@ -168,7 +169,10 @@ class Corpus:
             raise CorpusError(f"shard {index} is not in {self.manifest_path}")
         if verify and sha256_bytes(data) != entry["sha256"]:
             raise CorpusError(f"{self.shard_path(index)}: sha256 differs from the manifest (edited, corrupt)")
-        return decode_shard(data)
+        try:
+            return decode_shard(data)
+        except CorpusError as e:  # its digest matched: whatever wrote it wrote it wrong
+            raise CorpusError(f"{self.shard_path(index)}: {e}") from None
 
     def remove(self, index: int) -> None:
         """Drop shard ``index`` and its manifest entry (the manifest first: a crash leaves an

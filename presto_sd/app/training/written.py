@@ -94,7 +94,8 @@ def write_written_corpus(cfg: WrittenConfig) -> Path:
 
     sources = [x.strip() for x in cfg.sources.split(",") if x.strip()]
     if not sources or set(sources) - set(WRITTEN_SOURCES):
-        raise ValueError(f"--sources {cfg.sources!r}: written answers come from {', '.join(WRITTEN_SOURCES)}")
+        raise CorpusError(f"--sources {cfg.sources!r}: written answers come from "
+                          f"{', '.join(WRITTEN_SOURCES)}")
     src = Corpus(cfg.corpus)
     manifest = src.manifest()
     if manifest.get("plan_key") is None:
