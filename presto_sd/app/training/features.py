@@ -100,9 +100,9 @@ def materialize(corpus_dir: str | Path, out: str | Path, model, target: str | No
     ``("sharegpt",)``): only those items, written out as a copy of each cached shard's rows
     instead of a link to it (the cache keeps whole shards)."""
     corpus = Corpus(corpus_dir)
-    indices = [i for i in corpus.indices() if i >= first_shard][: max_shards or None]
     if not corpus.manifest_path.exists():  # a mistyped path would otherwise train on nothing
         raise CorpusError(f"{corpus_dir}: not a corpus (no manifest.json)")
+    indices = [i for i in corpus.indices() if i >= first_shard][: max_shards or None]
     if not indices:
         raise CorpusError(f"{corpus_dir}: no corpus shards from shard {first_shard} (its manifest.json "
                           f"lists {len(corpus.indices())})")
