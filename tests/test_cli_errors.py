@@ -36,9 +36,17 @@ def test_a_refused_link_is_one_line_and_writes_nothing(argv, why, tmp_path):
     assert not work.exists()
 
 
-def test_an_unknown_dataset_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="^presto-sd: unknown dataset 'nope'; known: gsm8k"):
-        main(["bench", "--datasets", "nope", "--n", "1", "--methods", "ar", "--out", str(tmp_path / "b")])
+@pytest.mark.parametrize("argv, why", [
+    (["bench", "--datasets", "nope", "--n", "1", "--methods", "ar"], "unknown dataset 'nope'; known: gsm8k"),
+    (["bench", "--datasets", "gsm8k", "--n", "1", "--methods", "nope"], "unknown bench method 'nope'; known: ar"),
+    (["bench", "--replay", "--temperature", "0.5", "--datasets", "gsm8k", "--n", "1"],
+     r"replay: greedy only \(--temperature 0\)"),
+    (["train", "drafter", "--data", ""], "--data: no dir given"),
+])
+def test_a_refused_bench_or_training_run_is_one_line_and_writes_nothing(argv, why, tmp_path):
+    with pytest.raises(SystemExit, match=f"^presto-sd: {why}"):
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_output_dir_that_must_be_new_is_one_line(tmp_path):

@@ -5,8 +5,7 @@ missing or malformed, a work dir made with other settings, an output dir that mu
 derive from ``ValueError`` or ``FileExistsError``, so callers that catch those keep working.
 ``presto-sd``'s ``main`` prints a ``UsageError`` as ``presto-sd: <message>`` on stderr and exits
 1: no traceback, since the message alone says the fix. Anything else is a bug, and keeps its
-traceback. Not every refusal is one yet: a command's plain ``ValueError`` still prints its
-traceback, its last line saying what is wrong.
+traceback: a plain ``ValueError`` is a bug's (an invariant of the code, not of its input).
 """
 
 from __future__ import annotations
@@ -14,6 +13,10 @@ from __future__ import annotations
 
 class UsageError(Exception):
     """A request that cannot be carried out as given; its message says why and what to change."""
+
+
+class FlagError(UsageError, ValueError):
+    """A flag's value, or a combination of flags, a command cannot run with."""
 
 
 class OutputExistsError(UsageError, FileExistsError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from presto_sd.app.bench.methods import BenchContext, register_method
+from presto_sd.app.errors import FlagError
 from presto_sd.loop.generate import GenerationParams, GenerationResult, RoundStats
 
 NAME = "llama-cpp"
@@ -50,10 +51,10 @@ def _describe(ctx: BenchContext, params: GenerationParams) -> dict:
 @register_method(NAME, budgeted=False, describe=_describe)
 def run_llama_cpp(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
     if ctx.gguf is None:
-        raise ValueError(f"{NAME}: no GGUF file: give --gguf (the default target's is found by itself)")
+        raise FlagError(f"{NAME}: no GGUF file: give --gguf (the default target's is found by itself)")
     why = available()
     if why is not None:
-        raise ValueError(f"{NAME}: {why}")
+        raise FlagError(f"{NAME}: {why}")
     # loaded per prompt (an mmap: ~0.1 s, outside the timed span) and closed here: a model
     # kept for the process is freed by its finalizer at exit, after its library is gone
     llm = _llama(ctx.gguf, ctx.threads)

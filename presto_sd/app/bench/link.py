@@ -31,13 +31,15 @@ import sys
 import threading
 import time
 
+from presto_sd.app.errors import FlagError
+
 _CHUNK = 1 << 16
 
 
 class DelayLink:
     def __init__(self, target: tuple[str, int], one_way_s: float = 0.0, host: str = "127.0.0.1") -> None:
         if one_way_s < 0:
-            raise ValueError(f"one_way_s {one_way_s}: must be >= 0")
+            raise FlagError(f"one_way_s {one_way_s}: must be >= 0")
         self.target, self.one_way_s, self.host = target, one_way_s, host
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task] = set()

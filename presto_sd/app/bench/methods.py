@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from presto_sd.app.errors import FlagError
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import Verifier
 from presto_sd.loop.generate import GenerationParams, GenerationResult, generate
@@ -58,7 +59,7 @@ def register_method(
 
 def get_method(name: str) -> BenchMethod:
     if name not in REGISTRY:
-        raise ValueError(f"unknown bench method {name!r}; known: {', '.join(REGISTRY)}")
+        raise FlagError(f"unknown bench method {name!r}; known: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 
@@ -110,7 +111,7 @@ SELF = "self-"  # self-<method>: the method in the self-speculative mode (docs/s
 def _self_method(name: str) -> MethodFn:
     def run(ctx: BenchContext, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
         if ctx.self_drafter is None:
-            raise ValueError(f"bench method {SELF + name!r} needs a self-draft adapter (--self-draft DIR)")
+            raise FlagError(f"bench method {SELF + name!r} needs a self-draft adapter (--self-draft DIR)")
         return generate(ctx.verifier, ctx.self_drafter, prompt_ids, self_params(ctx, params, name))
 
     run.__name__ = f"run_self_{name.replace('-', '_')}"

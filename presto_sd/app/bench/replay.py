@@ -39,6 +39,7 @@ from tqdm import tqdm
 from presto_sd.app.bench.methods import SELF, BenchContext
 from presto_sd.app.bench.runner import BenchConfig, BenchPrompt, Job, run_one
 from presto_sd.app.bench.stats import RunLog
+from presto_sd.app.errors import FlagError
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.messages import FeatureDelta, InvalidArgumentError, SessionNotFoundError, check_base
 from presto_sd.engine.verifier import MaskChains, PrefillResult, Verifier, VerifierInfo, VerifyResult
@@ -191,10 +192,10 @@ def replay_bench(
     the drafter's alone: the oracle's verify costs nothing). ``self_drafter``: the self-*
     jobs' (``verifier`` then carries the adapter that drafts their chains)."""
     if not config.greedy:
-        raise ValueError("replay: greedy only (--temperature 0)")
+        raise FlagError("replay: greedy only (--temperature 0)")
     jobs = replay_jobs(config)
     if not jobs:
-        raise ValueError(f"replay: nothing to replay among {config.methods} (not: {sorted(NOT_REPLAYABLE)})")
+        raise FlagError(f"replay: nothing to replay among {config.methods} (not: {sorted(NOT_REPLAYABLE)})")
     recordings = dict(recordings or {})
     depth = max(config.job_params(j, 0).tree.depth for j in jobs)
     logs: list[RunLog] = []
@@ -208,7 +209,7 @@ def replay_bench(
             oracle = OracleVerifier(recordings[key], verifier.info())
             if any(j.method.startswith(SELF) for j in jobs):
                 if self_drafter is None:
-                    raise ValueError("replay: the self-* methods need a self-draft adapter (--self-draft)")
+                    raise FlagError("replay: the self-* methods need a self-draft adapter (--self-draft)")
                 chain = min(depth, self_drafter.info().block_size - 1)
                 oracle.chain_blocks = self_draft_blocks(verifier, recordings[key], len(prompt.token_ids) - 1,
                                                         config.params.max_new_tokens + depth + 1, chain,

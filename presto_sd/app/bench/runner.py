@@ -19,6 +19,7 @@ from tqdm import tqdm
 from presto_sd.app.bench import gguf_peer, hf_lookup  # noqa: F401 (the peers register themselves)
 from presto_sd.app.bench.methods import BenchContext, get_method
 from presto_sd.app.bench.stats import RunLog, table_rows
+from presto_sd.app.errors import FlagError
 from presto_sd.engine.drafter import Drafter
 from presto_sd.engine.verifier import Verifier
 from presto_sd.loop.generate import GenerationParams
@@ -53,13 +54,13 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not self.methods:
-            raise ValueError("bench: no methods")
+            raise FlagError("bench: no methods")
         for m in self.methods:
             get_method(m)  # raises on an unknown name
         if not self.budgets or any(b < 1 for b in self.budgets):
-            raise ValueError(f"bench: budgets {self.budgets} must be non-empty and >= 1")
+            raise FlagError(f"bench: budgets {self.budgets} must be non-empty and >= 1")
         if self.lookup_tokens < 1:
-            raise ValueError(f"bench: lookup_tokens = {self.lookup_tokens}: must be >= 1")
+            raise FlagError(f"bench: lookup_tokens = {self.lookup_tokens}: must be >= 1")
 
     @property
     def greedy(self) -> bool:
@@ -101,11 +102,11 @@ def run_bench(
     """Decode every prompt with every job; returns one ``RunLog`` per (prompt, job).
     ``self_drafter``: the self-* jobs' (the verifier carries its adapter)."""
     if not prompts:
-        raise ValueError("bench: no prompts")
+        raise FlagError("bench: no prompts")
     jobs = config.jobs()
     for job in jobs:
         if get_method(job.method).needs_drafter and drafter is None:
-            raise ValueError(f"bench method {job.method!r} needs a drafter")
+            raise FlagError(f"bench method {job.method!r} needs a drafter")
     ctx = BenchContext(verifier, drafter, config.lookup_tokens, config.gguf, torch.get_num_threads(),
                        self_drafter)
     if config.warmup:

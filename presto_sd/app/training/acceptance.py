@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from presto_sd.app.errors import FlagError
 from presto_sd.app.training.choose_lambda import PROPOSING_RHOS
 from presto_sd.app.training.export import HEAD_RHOS
 from presto_sd.method.builders import MAX_CANDIDATES, TreeParams
@@ -85,7 +86,7 @@ def build_ngram_table(data_dir: str | Path, order: int, vocab_size: int) -> NGra
 
     seqs = [s for d in str(data_dir).split(",") if d for s in load_shards(d)]
     if not seqs:  # an empty table would score every tree by its marginals alone, silently
-        raise ValueError(f"the n-gram table's data {data_dir}: no shards there")
+        raise FlagError(f"the n-gram table's data {data_dir}: no shards there")
     table = NGramModel(order=order, vocab_size=vocab_size)
     for s in seqs:
         toks = s.tokens.tolist()
@@ -270,10 +271,10 @@ def corpus_prompts(corpus: str | Path, from_shard: int, n: int) -> list[list[int
     c = Corpus(corpus)
     shards = [i for i in c.indices() if i >= from_shard]
     if not shards:
-        raise ValueError(f"corpus {corpus} has no shard from index {from_shard} on")
+        raise FlagError(f"corpus {corpus} has no shard from index {from_shard} on")
     prompts = [list(p) for i in shards for p in c.read(i).prompts]
     if len(prompts) < n:
-        raise ValueError(f"corpus {corpus}: {len(prompts)} prompts from shard {from_shard} on, {n} asked")
+        raise FlagError(f"corpus {corpus}: {len(prompts)} prompts from shard {from_shard} on, {n} asked")
     step = len(prompts) // n
     return prompts[::step][:n]
 

@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from presto_sd.app.errors import FlagError
 from presto_sd.app.training.export import HEAD_RHOS
 from presto_sd.app.training.held_out_replay import CHOICE_METHOD, choice_score, held_out_replay, pooled
 from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, has_prefix_head, write_digests
@@ -43,23 +44,23 @@ def choose_lambda(
     drafter, out = Path(drafter), Path(out)
     presto_file = drafter / PRESTO_FILE
     if rho not in PROPOSING_RHOS:  # the others' per-depth lambdas are train acceptance's fit
-        raise ValueError(f"rho {rho!r}: choose-lambda chooses {', '.join(PROPOSING_RHOS)}'s lambda "
-                         "(`train acceptance` fits the others per depth)")
+        raise FlagError(f"rho {rho!r}: choose-lambda chooses {', '.join(PROPOSING_RHOS)}'s lambda "
+                        "(`train acceptance` fits the others per depth)")
     if not presto_file.is_file():
         raise FileNotFoundError(f"{presto_file}: choose-lambda adds to a drafter's fitted presto.json "
                                 "(`presto-sd train acceptance` writes it)")
     if rho in HEAD_RHOS and not has_prefix_head(drafter):
-        raise ValueError(f"{drafter} has no prefix head: {rho} draws children from one "
-                         "(`train add-head`)")
+        raise FlagError(f"{drafter} has no prefix head: {rho} draws children from one "
+                        "(`train add-head`)")
     if not grid or any(lam < 0 for lam in grid):
-        raise ValueError(f"grid {list(grid)}: give one or more lambdas >= 0")
+        raise FlagError(f"grid {list(grid)}: give one or more lambdas >= 0")
     # the replays kept in `out` are reused only for the same drafter files and settings
     weights = {f.name: sha256_of(f) for f in sorted(drafter.glob("*.safetensors"))}
     settings = {"rho": rho, "budgets": list(budgets), "prompts": list(prompts),
                 "max_new_tokens": max_new_tokens, "target": target, "weights": weights}
     record = out / "lambda_settings.json"
     if record.is_file() and json.loads(record.read_text()) != settings:
-        raise ValueError(f"{out} holds replays of another head or other settings: give a new --out")
+        raise FlagError(f"{out} holds replays of another head or other settings: give a new --out")
     out.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(settings, indent=2) + "\n")
     presto = json.loads(presto_file.read_text())

@@ -24,6 +24,7 @@ import json
 import os
 from pathlib import Path
 
+from presto_sd.app.errors import FlagError
 from presto_sd.app.training.token_corpus import write_atomically
 
 HELDOUT_MIX = "heldout-mix"  # the name `train link --choose-on` knows it by
@@ -65,7 +66,7 @@ def heldout_mix(n: int, corpora: tuple[str, ...], seed: int = HELDOUT_SEED) -> l
     )
 
     if n < 1:
-        raise ValueError(f"a held-out mix needs n >= 1 prompts a set, got {n}")
+        raise FlagError(f"a held-out mix needs n >= 1 prompts a set, got {n}")
     grams, planned = benchmark_ngrams(), planned_user_turns(corpora)
 
     def held_out(messages: list[dict]) -> bool:
@@ -93,7 +94,7 @@ def heldout_mix(n: int, corpora: tuple[str, ...], seed: int = HELDOUT_SEED) -> l
             if held_out(msgs):
                 kept.append({"id": f"{name}/{pid}", "dataset": name, "messages": msgs})
         if len(kept) < n:
-            raise ValueError(f"{name}: only {len(kept)} held-out prompts, {n} asked")
+            raise FlagError(f"{name}: only {len(kept)} held-out prompts, {n} asked")
         out += kept
     return out
 

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 
 from presto_sd.app.datasets import load_sharegpt_conversations
+from presto_sd.app.errors import FlagError
 
 SOURCES = ("sharegpt", "code", "arith")
 
@@ -325,7 +326,7 @@ def build_corpus(sources: tuple[str, ...], n_code: int, n_arith: int, seed: int 
     """Every item of the named sources, in a fixed order (shuffling is the data job's)."""
     unknown = set(sources) - set(SOURCES)
     if unknown:
-        raise ValueError(f"unknown corpus sources {sorted(unknown)}; known: {', '.join(SOURCES)}")
+        raise FlagError(f"unknown corpus sources {sorted(unknown)}; known: {', '.join(SOURCES)}")
     items: list[TrainingItem] = []
     if "sharegpt" in sources:
         items += sharegpt_turn_items("train")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from presto_sd.app.errors import OutputExistsError
+from presto_sd.app.errors import FlagError, OutputExistsError
 from presto_sd.models.assets import DIGESTS_FILE, PRESTO_FILE, write_digests
 from presto_sd.models.dflash import DFlashDraftModel
 
@@ -62,7 +62,7 @@ def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
     checkpoint, drafter = Path(checkpoint), Path(drafter)
     trained = DFlashDraftModel.load(checkpoint)
     if trained.prefix_head is None:
-        raise ValueError(f"{checkpoint} has no prefix head (train it with --prefix-rank R --prefix-only)")
+        raise FlagError(f"{checkpoint} has no prefix head (train it with --prefix-rank R --prefix-only)")
     config = json.loads((drafter / "config.json").read_text())
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
     base = DFlashDraftModel.load(drafter, dtype)
@@ -71,8 +71,8 @@ def add_prefix_head(checkpoint: str | Path, drafter: str | Path) -> Path:
     if mine.keys() != theirs.keys() or not all(torch.equal(mine[k], theirs[k]) for k in mine) or (
             (trained.d2t is None) != (base.d2t is None)
             or (trained.d2t is not None and not torch.equal(trained.d2t, base.d2t))):
-        raise ValueError(f"{checkpoint}'s drafter weights are not {drafter}'s: a head is trained on "
-                         "the drafter it ships with (train drafter --init-drafter DRAFTER --prefix-only)")
+        raise FlagError(f"{checkpoint}'s drafter weights are not {drafter}'s: a head is trained on "
+                        "the drafter it ships with (train drafter --init-drafter DRAFTER --prefix-only)")
     config.setdefault("dflash_config", {})["prefix_head_rank"] = trained.config.prefix_head_rank
     trained.save_prefix_head(drafter, dtype)
     (drafter / "config.json").write_text(json.dumps(config, indent=2))

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from presto_sd.app.errors import FlagError
 from presto_sd.app.training.token_corpus import write_atomically
 from presto_sd.models.loading import cache_kwarg, encode_messages, load_target
 
@@ -128,12 +129,12 @@ def _plan_magpie(cfg: GenDataConfig, tok) -> list[list[tuple[str, list[int]]]]:
     from presto_sd.app.training.token_corpus import PromptChunks
 
     if not cfg.prompts:
-        raise ValueError("--sources magpie needs --prompts DIR (the folder `presto-sd train magpie` "
-                         "samples into)")
+        raise FlagError("--sources magpie needs --prompts DIR (the folder `presto-sd train magpie` "
+                        "samples into)")
     chunks, grams = PromptChunks(cfg.prompts), benchmark_ngrams()
     indices = chunks.indices()
     if indices != list(range(len(indices))):
-        raise ValueError(f"{cfg.prompts}: prompt chunks {indices[:8]}... are not 0..n-1 without a gap")
+        raise FlagError(f"{cfg.prompts}: prompt chunks {indices[:8]}... are not 0..n-1 without a gap")
     batches = []
     for i in indices:
         batch = []
@@ -215,8 +216,8 @@ def _check_existing_shards(out: Path, batches: list) -> None:
         with safe_open(shard, "pt") as f:
             ids = json.loads((f.metadata() or {}).get("ids", "null"))
         if ids is not None and (b >= len(batches) or ids != [i for i, _ in batches[b]]):
-            raise ValueError(f"{shard} was written by another plan than these flags make: "
-                             "resume with the flags it was made with, or give another --out")
+            raise FlagError(f"{shard} was written by another plan than these flags make: "
+                            "resume with the flags it was made with, or give another --out")
 
 
 class _ReservedLayer(DynamicLayer):

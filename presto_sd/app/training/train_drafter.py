@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from presto_sd.app.errors import FlagError
 from presto_sd.app.training.gen_data import Sequence, load_shards
 from presto_sd.models.dflash import DFlashConfig, DFlashDraftModel
 from presto_sd.models.loading import load_target, random_drafter_config
@@ -175,8 +176,8 @@ def make_batch(seqs: list[Sequence], cfg: TrainConfig, t2d: torch.Tensor, rng: r
     need_soft = cfg.soft_weight > 0 or cfg.hard_labels == "target"
     soft = [s.soft_labels for s in seqs] if need_soft else [None] * B
     if need_soft and any(x is None for x in soft):
-        raise ValueError("soft_weight > 0 and --hard-labels target need shards with soft labels: "
-                         "make them with `train features`")
+        raise FlagError("soft_weight > 0 and --hard-labels target need shards with soft labels: "
+                        "make them with `train features`")
     k_soft = soft[0][0].shape[1] if soft[0] is not None else 1
     soft_ids = torch.full((B, m, L - 1, k_soft), -100, dtype=torch.long)  # draft ids, -100 outside
     soft_lp = torch.full((B, m, L - 1, k_soft), -torch.inf)
@@ -271,22 +272,21 @@ def read_data(data: str) -> tuple[dict, list[Sequence]]:
     Dirs whose features come from other target layers cannot be mixed."""
     dirs = [Path(d) for d in data.split(",") if d]
     if not dirs:
-        raise ValueError("--data: no dir given")
+        raise FlagError("--data: no dir given")
     metas = [json.loads((d / "meta.json").read_text()) for d in dirs]
     for d, m in zip(dirs[1:], metas[1:]):
         if m["target_layer_ids"] != metas[0]["target_layer_ids"]:
-            raise ValueError(f"--data: {d} has features of target layers {m['target_layer_ids']}, "
-                             f"{dirs[0]} of {metas[0]['target_layer_ids']}: they cannot train one drafter")
+            raise FlagError(f"--data: {d} has features of target layers {m['target_layer_ids']}, "
+                            f"{dirs[0]} of {metas[0]['target_layer_ids']}: they cannot train one drafter")
     return metas[0], [s for d in dirs for s in load_shards(d)]
 
 
 def train_drafter(cfg: TrainConfig) -> Path:
     if cfg.hard_labels not in HARD_LABELS:
-        raise ValueError(f"--hard-labels {cfg.hard_labels!r}: one of {', '.join(HARD_LABELS)}")
+        raise FlagError(f"--hard-labels {cfg.hard_labels!r}: one of {', '.join(HARD_LABELS)}")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out)  # made once every flag is checked: a refused run leaves nothing behind
     meta, seqs = read_data(cfg.data)
     target, _ = load_target(cfg.target or meta.get("target"), torch.device("cpu"), torch.float32)
     dev = torch.device(cfg.device)
@@ -304,14 +304,14 @@ def train_drafter(cfg: TrainConfig) -> Path:
     eos = [2] if vocab_size > 2 else []
     base = DFlashDraftModel.load(cfg.init_drafter) if cfg.init_drafter else None
     if cfg.grow_layers and (base is None or cfg.grow_layers < 0):
-        raise ValueError("grow_layers appends layers to an --init-drafter: give it and a count >= 1")
+        raise FlagError("grow_layers appends layers to an --init-drafter: give it and a count >= 1")
     if base is not None:  # the blocks are the drafter's
         cfg = replace(cfg, block_size=base.config.block_size,
                       num_layers=base.config.num_hidden_layers + cfg.grow_layers)
     if cfg.prefix_only and (base is None or not cfg.prefix_rank):
-        raise ValueError("prefix_only trains a new prefix head on --init-drafter: give it and --prefix-rank")
+        raise FlagError("prefix_only trains a new prefix head on --init-drafter: give it and --prefix-rank")
     if cfg.revocab and (base is None or base.prefix_head is not None):
-        raise ValueError("revocab re-maps an --init-drafter without a prefix head")
+        raise FlagError("revocab re-maps an --init-drafter without a prefix head")
     if state is not None:
         d2t = state["d2t"]
     elif base is not None and not cfg.revocab:
@@ -335,8 +335,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
                 nn.init.zeros_(layer.self_attn.o_proj.weight)
                 nn.init.zeros_(layer.mlp.down_proj.weight)
         if tuple(meta["target_layer_ids"]) != model.config.target_layer_ids:
-            raise ValueError(f"data has target layers {meta['target_layer_ids']}, the drafter reads "
-                             f"{model.config.target_layer_ids}")
+            raise FlagError(f"data has target layers {meta['target_layer_ids']}, the drafter reads "
+                            f"{model.config.target_layer_ids}")
     else:
         dcfg = random_drafter_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size)
         dcfg["dflash_config"].update(
@@ -363,6 +363,7 @@ def train_drafter(cfg: TrainConfig) -> Path:
         opt.load_state_dict(state["opt"])
         step = state["step"]
         rng.setstate(state["rng"])
+    out.mkdir(parents=True, exist_ok=True)
     log = open(out / "train_log.jsonl", "a")
     bar = tqdm(total=cfg.steps, initial=step, desc="train drafter", mininterval=10)
     # wall time counts every stretch of a resumed run (its log's elapsed_s, the report's wall_s)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from presto_sd.app.errors import FlagError
 from presto_sd.app.training.grow_corpus import DEFAULT_CORPUS
 from presto_sd.models.assets import write_digests
 from presto_sd.models.self_draft import SelfDraftAdapter, mask_chain_forward, real_pass
@@ -157,7 +158,7 @@ def train_self_draft(cfg: SelfTrainConfig, model=None, sequences: list[Sequence]
         sequences = corpus_sequences(cfg.corpus, cfg.first_shard, cfg.max_shards)
     windows = [w for w in (window(s, cfg.max_len, cfg.block) for s in sequences) if w is not None]
     if len(windows) <= cfg.heldout_seqs:
-        raise ValueError(f"{len(windows)} usable sequences: need more than --heldout-seqs {cfg.heldout_seqs}")
+        raise FlagError(f"{len(windows)} usable sequences: need more than --heldout-seqs {cfg.heldout_seqs}")
     rng.shuffle(windows)
     heldout, train = windows[: cfg.heldout_seqs], windows[cfg.heldout_seqs :]
     name = cfg.target or "SmolLM2-135M-Instruct"
