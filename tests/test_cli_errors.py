@@ -38,7 +38,8 @@ def test_a_refused_link_is_one_line_and_writes_nothing(argv, why, tmp_path):
 
 @pytest.mark.parametrize("argv, why", [
     (["bench", "--datasets", "nope", "--n", "1", "--methods", "ar"], "unknown dataset 'nope'; known: gsm8k"),
-    (["bench", "--datasets", "gsm8k", "--n", "1", "--methods", "nope"], "unknown bench method 'nope'; known: ar"),
+    (["bench", "--datasets", "gsm8k", "--n", "1", "--methods", "nope"],
+     "unknown bench method 'nope'; known: ar"),
     (["bench", "--replay", "--temperature", "0.5", "--datasets", "gsm8k", "--n", "1"],
      r"replay: greedy only \(--temperature 0\)"),
     (["train", "drafter", "--data", ""], "--data: no dir given"),
