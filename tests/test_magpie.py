@@ -151,3 +151,30 @@ def test_the_committed_second_plan_resumes_with_the_default_flags(smollm2_dir):
     for i in prompts.indices():  # every chunk file is there, as its manifest says
         assert prompts.read(i)
 
+
+def test_the_committed_math_plan_resumes_with_its_documented_flags(smollm2_dir):
+    """docs/training.md's command for the third plan (`--request-start`, its two folders) must
+    make the committed folders' keys, or resuming it on a fresh machine would be refused."""
+    from presto_sd.app.training.grow_corpus import plan_key
+    from presto_sd.app.training.magpie import (
+        MATH_CORPUS,
+        MATH_PROMPTS,
+        MATH_REQUEST_START,
+        answer_config,
+        prompt_key,
+        sampling_prefix,
+    )
+    from presto_sd.models.loading import load_tokenizer
+
+    cfg = MagpieConfig(request_start=MATH_REQUEST_START, prompts=MATH_PROMPTS, corpus=MATH_CORPUS)
+    assert Corpus(MATH_CORPUS).manifest()["plan_key"] == plan_key(answer_config(cfg))
+    prompts = PromptChunks(MATH_PROMPTS)
+    tok = load_tokenizer(str(smollm2_dir))
+    assert prompts.manifest()["key"] == prompt_key(cfg, sampling_prefix(tok, cfg))
+    for i in prompts.indices():
+        assert all(r.startswith(MATH_REQUEST_START) for r in prompts.read(i))
+    for i in Corpus(MATH_CORPUS).indices():
+        assert Corpus(MATH_CORPUS).read(i).item_ids  # every shard there, as its manifest says
+    docs = open("docs/training.md").read()
+    assert f'--request-start "{MATH_REQUEST_START}"' in docs and MATH_PROMPTS in docs and MATH_CORPUS in docs
+

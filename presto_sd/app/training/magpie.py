@@ -41,6 +41,10 @@ from presto_sd.app.training.token_corpus import Corpus, PromptChunks, made_by
 
 DEFAULT_PROMPTS = "corpus/prompts/smollm2-135m-magpie"
 DEFAULT_MAGPIE_CORPUS = "corpus/smollm2-135m-magpie"
+# the steered third plan (since 2026-12-08): math word problems, for GSM8K
+MATH_REQUEST_START = "Solve this math word problem:"
+MATH_PROMPTS = "corpus/prompts/smollm2-135m-magpie-math"
+MATH_CORPUS = "corpus/smollm2-135m-magpie-math"
 _PLACEHOLDER = "\x00PROMPT\x00"
 
 
