@@ -42,7 +42,7 @@ from presto_sd.app.training.held_out_replay import (
     held_out_replay,
     pooled,
 )
-from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES, WRITTEN_SOURCES
+from presto_sd.app.training.written import DEFAULT_WRITTEN_SOURCES, written_sources
 from presto_sd.models.assets import DIGESTS_FILE, has_prefix_head
 
 
@@ -228,10 +228,8 @@ def _check(cfg: LinkConfig) -> None:
                         "parent's (give --average 1)")
     if cfg.choose_n < 1:
         raise LinkError(f"--choose-n {cfg.choose_n}: the choice needs at least 1 prompt a set")
-    written = [x.strip() for x in cfg.written_sources.split(",") if x.strip()]
-    if cfg.written and (not written or set(written) - set(WRITTEN_SOURCES)):  # else past the features
-        raise LinkError(f"--written-sources {cfg.written_sources!r}: written answers come from "
-                        f"{', '.join(WRITTEN_SOURCES)}")
+    if cfg.written:  # checked here, not hours later past the features
+        written_sources(cfg.written_sources, "--written-sources")
 
     def lacking(held: dict, first: int, n: int) -> list[int]:
         return [i for i in range(first, first + n) if str(i) not in held]

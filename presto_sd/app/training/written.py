@@ -86,16 +86,22 @@ class WrittenConfig:
         "help": "the plan sources whose written answers it holds, comma-separated"})
 
 
+def written_sources(spec: str, flag: str = "--sources") -> list[str]:
+    """The comma-separated plan sources of ``spec``, each one with written answers; else a
+    ``CorpusError`` naming ``flag``."""
+    sources = [x.strip() for x in spec.split(",") if x.strip()]
+    if not sources or set(sources) - set(WRITTEN_SOURCES):
+        raise CorpusError(f"{flag} {spec!r}: written answers come from {', '.join(WRITTEN_SOURCES)}")
+    return sources
+
+
 def write_written_corpus(cfg: WrittenConfig) -> Path:
     """Shard ``i`` of ``cfg.out``: the written answers of shard ``i`` of ``cfg.corpus``;
     shards already there are kept (resumable), a folder made from another corpus is refused."""
     from presto_sd.app.training.corpus import arithmetic_solutions
     from presto_sd.models.loading import load_tokenizer
 
-    sources = [x.strip() for x in cfg.sources.split(",") if x.strip()]
-    if not sources or set(sources) - set(WRITTEN_SOURCES):
-        raise CorpusError(f"--sources {cfg.sources!r}: written answers come from "
-                          f"{', '.join(WRITTEN_SOURCES)}")
+    sources = written_sources(cfg.sources)
     src = Corpus(cfg.corpus)
     manifest = src.manifest()
     if manifest.get("plan_key") is None:
